@@ -1,0 +1,72 @@
+"""The `specdec` command."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from specdec.errors import SpecdecError
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
+    parser.add_argument("--dtype", default=None, help="float32 (CPU default), bfloat16 (GPU default), float16")
+    parser.add_argument("--kv-cache-tokens", type=int, default=None,
+                        help="KV cache size in tokens (default: from free GPU memory, or 32k on CPU)")
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    return dict(device=args.device, dtype=args.dtype, kv_cache_tokens=args.kv_cache_tokens,
+                block_size=args.block_size, max_num_seqs=args.max_num_seqs,
+                max_num_batched_tokens=args.max_num_batched_tokens)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from specdec import LLM, SamplingParams
+
+    llm = LLM(args.model, **engine_kwargs(args))
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
+                            top_p=args.top_p, seed=args.seed, stop=args.stop or None)
+    prompts = args.prompt or [sys.stdin.read()]
+    for out in llm.generate(prompts, params, use_tqdm=len(prompts) > 1):
+        if args.json:
+            print(json.dumps({"text": out.text, "token_ids": out.token_ids, "finish_reason": out.finish_reason}))
+        else:
+            print(out.text)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specdec", description="Lossless speculative decoding engine")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate text from a model directory (or ref-target / ref-draft)")
+    gen.add_argument("model", help="Hugging Face model directory, or a bundled short name (ref-target)")
+    gen.add_argument("--prompt", action="append", help="prompt text (repeat for several); default: stdin")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--stop", action="append", help="stop string (repeatable)")
+    gen.add_argument("--json", action="store_true", help="one JSON object per completion")
+    add_engine_args(gen)
+    gen.set_defaults(func=cmd_generate)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except SpecdecError as exc:
+        print(f"specdec: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""The engine: requests are scheduled, drafts proposed, verified, accepted and committed each step."""

@@ -1,0 +1,239 @@
+"""The engine loop: schedule -> propose -> verify -> accept -> commit, one step at a time."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import torch
+
+from specdec.engine.kv_cache import BlockManager, KVCache, block_hash, num_blocks_for
+from specdec.engine.request import Request, Status, TokenLogprobs
+from specdec.engine.runner import ModelRunner
+from specdec.engine.sampler import sample_tokens
+from specdec.engine.scheduler import ScheduledSeq, Scheduler
+from specdec.errors import ConfigError, InvalidRequestError
+from specdec.models.transformer import CausalLM
+from specdec.sampling import SamplingParams, top_logprobs
+
+
+@dataclasses.dataclass
+class EngineConfig:
+    block_size: int = 16
+    kv_cache_tokens: int | None = None  # None: from free device memory (GPU) or 32k tokens (CPU)
+    gpu_memory_utilization: float = 0.85  # share of free memory, after loading weights, for the KV cache
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 256
+    max_model_len: int | None = None  # default: the model's max_position_embeddings
+
+    def validate(self) -> None:
+        if self.block_size <= 0:
+            raise ConfigError(f"block_size must be positive, got {self.block_size}")
+        if self.kv_cache_tokens is not None and self.kv_cache_tokens < self.block_size:
+            raise ConfigError(f"kv_cache_tokens must be at least one block ({self.block_size}), "
+                              f"got {self.kv_cache_tokens}")
+        if self.max_num_batched_tokens <= 0 or self.max_num_seqs <= 0:
+            raise ConfigError("max_num_batched_tokens and max_num_seqs must be positive")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+
+
+class Engine:
+    def __init__(self, model: CausalLM, config: EngineConfig, eos_token_ids: tuple[int, ...] = (),
+                 speculator=None, detokenize=None):
+        config.validate()
+        self.model = model
+        self.config = config
+        self.device = model.lm_head.weight.device
+        dtype = model.lm_head.weight.dtype
+        mc = model.config
+        self.vocab_size = mc.vocab_size
+        self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
+        num_blocks = num_blocks_for(mc, config.block_size, dtype, self.device, config.kv_cache_tokens,
+                                    config.gpu_memory_utilization)
+        self.kv_cache = KVCache(mc, num_blocks, config.block_size, self.device, dtype)
+        self.blocks = BlockManager(num_blocks, config.block_size)
+        self.scheduler = Scheduler(self.blocks, config.max_num_batched_tokens, config.max_num_seqs)
+        self.runner = ModelRunner(model, self.kv_cache, self.device)
+        self.eos_token_ids = eos_token_ids
+        self.speculator = speculator
+        self.detokenize = detokenize  # ids -> text, needed for stop strings
+        self.stats = {"steps": 0, "tokens_fed": 0, "tokens_emitted": 0, "drafted": 0, "accepted": 0}
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.blocks.num_blocks * self.blocks.block_size
+
+    # ------------------------------------------------------------------ requests
+
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
+                    request_id: str | None = None) -> Request:
+        """Validate and queue a request; raises InvalidRequestError naming the problem."""
+        self.validate_request(prompt_token_ids, params)
+        req = Request(prompt_token_ids, params, self.device, request_id, self.eos_token_ids)
+        self.scheduler.add(req)
+        return req
+
+    def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        params.validate()
+        self._check_prompt(prompt_token_ids)
+        if params.stop and self.detokenize is None:
+            raise InvalidRequestError("stop strings need a tokenizer: this model directory has none")
+
+    def abort(self, req: Request) -> None:
+        if not req.finished:
+            self.scheduler.finish(req)
+            req.finish("abort")
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    def _check_prompt(self, ids) -> None:
+        if not isinstance(ids, (list, tuple)) or not ids:
+            raise InvalidRequestError("prompt is empty: give at least one token")
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise InvalidRequestError("prompt token ids must be integers")
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidRequestError(f"token id {bad[0]} is out of range for this model's vocabulary "
+                                      f"[0, {self.vocab_size})")
+        if len(ids) >= self.max_model_len:
+            raise InvalidRequestError(f"prompt has {len(ids)} tokens; this model's context is {self.max_model_len} "
+                                      "tokens, which must hold the prompt and at least one generated token")
+        if len(ids) + 1 > self.capacity_tokens:
+            raise InvalidRequestError(f"prompt has {len(ids)} tokens but the KV cache holds only "
+                                      f"{self.capacity_tokens}: raise kv_cache_tokens")
+
+    # ------------------------------------------------------------------ the step
+
+    @torch.inference_mode()
+    def step(self) -> list[Request]:
+        """Run one engine step; return the requests that finished during it."""
+        if self.speculator is not None:
+            self.speculator.propose([r for r in self.scheduler.running if not r.is_prefilling])
+        seqs = self.scheduler.schedule()
+        finished = list(self.scheduler.out_of_cache)
+        self.scheduler.out_of_cache.clear()
+        if not seqs:
+            return finished
+        logits = self.runner.forward(seqs)  # per seq [1 + drafts, V] or empty
+        emitted = sample_tokens(seqs, logits)
+        for seq, rows, tokens in zip(seqs, logits, emitted):
+            if self._commit(seq, rows, tokens):
+                finished.append(seq.request)
+        self.stats["steps"] += 1
+        self.stats["tokens_fed"] += sum(s.num_new for s in seqs)
+        return finished
+
+    def _commit(self, seq: ScheduledSeq, rows: torch.Tensor, tokens: list[int]) -> bool:
+        """Record what the step computed and produced; returns True when the request finished."""
+        req = seq.request
+        req.num_computed += seq.num_new - seq.num_drafts
+        if not seq.samples:
+            self._register_full_blocks(req)
+            return False
+        accepted = len(tokens) - 1
+        req.num_computed += accepted  # keys/values of accepted drafts are valid; rejected ones are dropped
+        req.num_steps += 1
+        req.num_drafted += seq.num_drafts
+        req.num_accepted += accepted
+        self.stats["drafted"] += seq.num_drafts
+        self.stats["accepted"] += accepted
+        if req.params.logprobs is not None:
+            self._record_logprobs(req, rows[:len(tokens)], tokens)
+        for token in tokens:
+            req.output_token_ids.append(token)
+            self.stats["tokens_emitted"] += 1
+            reason = self._finish_reason(req, token)
+            if reason:
+                del req.logprobs[len(req.output_token_ids):]
+                req.finish(reason)
+                break
+        req.draft_token_ids, req.draft_probs = [], None
+        self._trim_blocks(req)
+        self._register_full_blocks(req)
+        if req.finished:
+            self.scheduler.finish(req)
+        return req.finished
+
+    def _finish_reason(self, req: Request, token: int) -> str | None:
+        if token in req.stop_ids:
+            return "stop"
+        if req.params.stop and self._hit_stop_string(req):
+            return "stop"
+        if len(req.output_token_ids) >= req.params.max_tokens or req.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def _hit_stop_string(self, req: Request) -> bool:
+        text = self.detokenize(req.output_token_ids)
+        cut = min((i for i in (text.find(s) for s in req.params.stop) if i >= 0), default=-1)
+        if cut < 0:
+            return False
+        req.text = text[:cut]
+        return True
+
+    def _record_logprobs(self, req: Request, rows: torch.Tensor, tokens: list[int]) -> None:
+        ids = torch.tensor(tokens, device=rows.device)
+        chosen, top_ids, top_vals = top_logprobs(rows, ids, req.params.logprobs)
+        for t, lp, ti, tv in zip(tokens, chosen.tolist(), top_ids.tolist(), top_vals.tolist()):
+            req.logprobs.append(TokenLogprobs(t, lp, list(zip(ti, tv))))
+
+    def _trim_blocks(self, req: Request) -> None:
+        """Release blocks that only held rejected drafts."""
+        keep = self.blocks.blocks_for(req.num_computed)
+        if len(req.block_ids) > keep:
+            self.blocks.release(req.block_ids[keep:])
+            del req.block_ids[keep:]
+
+    def _register_full_blocks(self, req: Request) -> None:
+        """Hash every newly full block of committed tokens so later prompts can reuse it."""
+        size = self.blocks.block_size
+        tokens = req.all_token_ids
+        while len(req.block_hashes) < req.num_computed // size:
+            i = len(req.block_hashes)
+            parent = req.block_hashes[-1] if req.block_hashes else None
+            h = block_hash(parent, tokens[i * size:(i + 1) * size])
+            self.blocks.register(req.block_ids[i], h)
+            req.block_hashes.append(h)
+
+    # ------------------------------------------------------------------ scoring
+
+    @torch.inference_mode()
+    def score(self, token_ids: list[int]) -> list[float]:
+        """Log-probability of every token after the first, given its prefix."""
+        if len(token_ids) < 2:
+            return []
+        logp = self.all_logits(token_ids[:-1]).float().log_softmax(-1)  # [n-1, V]
+        targets = torch.tensor(token_ids[1:], device=self.device)
+        return logp.gather(1, targets[:, None]).squeeze(1).tolist()
+
+    @torch.inference_mode()
+    def all_logits(self, token_ids: list[int]) -> torch.Tensor:
+        """Logits [n, V] at every position, by chunked prefill (chunks of max_num_batched_tokens).
+
+        Runs outside the scheduler on its own blocks: call it on an idle engine.
+        """
+        self._check_prompt(token_ids[:-1] or token_ids)
+        req = Request(list(token_ids), SamplingParams(max_tokens=1), self.device)
+        req.block_ids = self.blocks.allocate(self.blocks.blocks_for(len(token_ids))) or []
+        if not req.block_ids:
+            raise InvalidRequestError(f"sequence of {len(token_ids)} tokens does not fit the free KV cache")
+        chunks = []
+        try:
+            while req.num_computed < len(token_ids):
+                n = min(len(token_ids) - req.num_computed, self.config.max_num_batched_tokens)
+                chunks.append(self._forward_all_rows(ScheduledSeq(req, n, 0, samples=False)))  # [n, V]
+                req.num_computed += n
+        finally:
+            self.blocks.release(req.block_ids)
+        return torch.cat(chunks)
+
+    def _forward_all_rows(self, seq: ScheduledSeq) -> torch.Tensor:
+        req = seq.request
+        start = req.num_computed
+        ids = torch.tensor(req.all_token_ids[start:start + seq.num_new], device=self.device)
+        positions = torch.arange(start, start + seq.num_new, device=self.device)
+        slots = [self.runner._slot(req.block_ids, p) for p in range(start, start + seq.num_new)]
+        batch = self.runner._batch([seq], [0, seq.num_new], [start + seq.num_new], slots)
+        return self.model(ids, positions, batch, self.kv_cache.layers)

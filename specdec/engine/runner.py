@@ -1,0 +1,62 @@
+"""Model runner: turns a list of scheduled sequences into one flat forward pass."""
+
+from __future__ import annotations
+
+import torch
+
+from specdec.engine.kv_cache import KVCache
+from specdec.engine.scheduler import ScheduledSeq
+from specdec.models.attention import AttentionBatch
+from specdec.models.transformer import CausalLM
+
+
+class ModelRunner:
+    def __init__(self, model: CausalLM, kv_cache: KVCache, device: torch.device):
+        self.model = model
+        self.kv_cache = kv_cache
+        self.device = device
+        self.block_size = kv_cache.block_size
+
+    @torch.inference_mode()
+    def forward(self, seqs: list[ScheduledSeq]) -> list[torch.Tensor]:
+        """Logits [1 + num_drafts, V] for each sequence that samples this step, else an empty tensor.
+
+        For a sampling sequence the rows are the target's predictions after its last committed token
+        and after each of its drafts: row j scores draft j, the last row gives the bonus token.
+        """
+        ids, positions, slots, starts, ctx, logits_rows, counts = [], [], [], [0], [], [], []
+        for seq in seqs:
+            req = seq.request
+            start = req.num_computed
+            tokens = req.all_token_ids[start:start + seq.num_new - seq.num_drafts]
+            tokens += req.draft_token_ids[:seq.num_drafts]
+            ids.extend(tokens)
+            positions.extend(range(start, start + seq.num_new))
+            slots.extend(self._slot(req.block_ids, p) for p in range(start, start + seq.num_new))
+            starts.append(starts[-1] + seq.num_new)
+            ctx.append(start + seq.num_new)
+            n_logits = 1 + seq.num_drafts if seq.samples else 0
+            logits_rows.extend(range(starts[-1] - n_logits, starts[-1]))
+            counts.append(n_logits)
+        batch = self._batch(seqs, starts, ctx, slots)
+        logits = self.model(self._long(ids), self._long(positions), batch, self.kv_cache.layers,
+                            self._long(logits_rows))  # [sum(counts), V]
+        return list(torch.split(logits, counts))
+
+    def _slot(self, block_ids: list[int], position: int) -> int:
+        return block_ids[position // self.block_size] * self.block_size + position % self.block_size
+
+    def _long(self, values) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long, device=self.device)
+
+    def _batch(self, seqs: list[ScheduledSeq], starts, ctx, slots) -> AttentionBatch:
+        width = max(len(s.request.block_ids) for s in seqs)
+        tables = [s.request.block_ids + [0] * (width - len(s.request.block_ids)) for s in seqs]
+        return AttentionBatch(
+            query_start=self._long(starts),
+            context_lens=self._long(ctx),
+            block_tables=self._long(tables),
+            slot_mapping=self._long(slots),
+            max_query_len=max(s.num_new for s in seqs),
+            max_context_len=max(ctx),
+        ).prepare(self.block_size)

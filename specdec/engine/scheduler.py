@@ -1,0 +1,130 @@
+"""Continuous batching: which requests run this step, with how many tokens each.
+
+Every step has a token budget.  Running requests go first, oldest first; each feeds its uncomputed
+tokens (one while decoding, plus any drafts to verify; a chunk of its prompt while prefilling).
+Waiting requests are admitted oldest first while budget, sequence slots and cache blocks remain.
+When a running request needs a block and none is free, the newest running request is preempted:
+its blocks are released and it is recomputed from scratch later (its tokens so far become prompt).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+from specdec.engine.kv_cache import BlockManager
+from specdec.engine.request import Request, Status
+
+
+@dataclasses.dataclass
+class ScheduledSeq:
+    request: Request
+    num_new: int  # tokens fed this step, drafts included
+    num_drafts: int  # drafts among them (the last num_drafts tokens)
+    samples: bool  # the step reaches the sequence's end, so new tokens are sampled
+
+
+class Scheduler:
+    def __init__(self, blocks: BlockManager, max_num_batched_tokens: int, max_num_seqs: int):
+        self.blocks = blocks
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
+        self.waiting: collections.deque[Request] = collections.deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+        self.out_of_cache: list[Request] = []  # finished because even alone they outgrew the cache
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> list[ScheduledSeq]:
+        budget = self.max_num_batched_tokens
+        scheduled: list[ScheduledSeq] = []
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            seq = self._plan(req, budget)
+            if not self._grow(req, req.num_computed + seq.num_new):
+                continue  # req itself was preempted (it was the newest); self.running shrank
+            scheduled.append(seq)
+            budget -= seq.num_new
+            i += 1
+        if len(scheduled) == len(self.running):  # admit only when no running request was left out
+            budget = self._admit(scheduled, budget)
+        return scheduled
+
+    def finish(self, request: Request) -> None:
+        """Release a finished request's blocks."""
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self.blocks.release(request.block_ids)
+        request.block_ids = []
+
+    # ------------------------------------------------------------------
+
+    def _plan(self, req: Request, budget: int) -> ScheduledSeq:
+        remaining = req.num_tokens - req.num_computed
+        if remaining > budget:  # chunked prefill: no sampling this step, drafts wait
+            return ScheduledSeq(req, budget, 0, samples=False)
+        drafts = min(len(req.draft_token_ids), budget - remaining)
+        return ScheduledSeq(req, remaining + drafts, drafts, samples=True)
+
+    def _grow(self, req: Request, num_tokens: int) -> bool:
+        """Give req blocks for num_tokens, preempting the newest running requests if needed."""
+        need = self.blocks.blocks_for(num_tokens) - len(req.block_ids)
+        while need > 0:
+            new = self.blocks.allocate(need)
+            if new is not None:
+                req.block_ids.extend(new)
+                return True
+            victim = self.running[-1]
+            if victim is req and len(self.running) == 1:  # alone and still too big: the cache is full
+                self.running.remove(req)
+                self.blocks.release(req.block_ids)
+                req.block_ids = []
+                req.finish("length")
+                self.out_of_cache.append(req)
+                return False
+            self._preempt(victim)
+            if victim is req:
+                return False
+        return True
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.blocks.release(req.block_ids)
+        req.block_ids = []
+        req.num_computed = 0
+        req.draft_token_ids, req.draft_probs = [], None
+        req.status = Status.WAITING
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def _admit(self, scheduled: list[ScheduledSeq], budget: int) -> int:
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            req = self.waiting[0]
+            cached, hashes = self.blocks.cached_prefix(req.all_token_ids)
+            self.blocks.acquire(cached)
+            uncached = req.num_tokens - len(cached) * self.blocks.block_size
+            chunk = min(uncached, budget)
+            need = self.blocks.blocks_for(len(cached) * self.blocks.block_size + chunk) - len(cached)
+            fresh = self.blocks.allocate(need)
+            if fresh is None:  # FIFO: nobody overtakes the oldest waiting request
+                self.blocks.release(cached)
+                break
+            self.waiting.popleft()
+            req.block_ids = cached + fresh
+            req.block_hashes = hashes
+            req.num_computed = len(cached) * self.blocks.block_size
+            req.num_cached_prefix = req.num_computed
+            req.status = Status.RUNNING
+            self.running.append(req)
+            scheduled.append(ScheduledSeq(req, chunk, 0, samples=chunk == uncached))
+            budget -= chunk
+        return budget

@@ -1,0 +1,116 @@
+"""The Python API: `LLM(model_dir).generate(prompts, SamplingParams(...))`."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from specdec.engine.engine import Engine, EngineConfig
+from specdec.engine.request import Request, TokenLogprobs
+from specdec.errors import InvalidRequestError, ModelLoadError
+from specdec.models.loader import load_model
+from specdec.sampling import SamplingParams
+from specdec.tokenizer import Tokenizer, eos_token_ids
+
+
+@dataclasses.dataclass
+class Completion:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str  # "stop" | "length" | "abort"
+    logprobs: list[TokenLogprobs] | None
+    num_steps: int = 0  # target forward passes that produced tokens
+    num_drafted: int = 0
+    num_accepted: int = 0
+    num_cached_prompt_tokens: int = 0
+
+
+def pick_device(device: str | torch.device | None) -> torch.device:
+    if device is None or device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ModelLoadError("device 'cuda' was asked for but no CUDA GPU is visible; use device='cpu'")
+    return device
+
+
+def parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    names = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+             "float16": torch.float16, "fp16": torch.float16, "auto": None}
+    if dtype not in names:
+        raise ModelLoadError(f"unknown dtype {dtype!r}: use one of {', '.join(names)}")
+    return names[dtype]
+
+
+class LLM:
+    def __init__(self, model: str | Path, device: str | torch.device | None = None,
+                 dtype: str | torch.dtype | None = None, kv_cache_tokens: int | None = None,
+                 speculator=None, **engine_options):
+        from specdec.assets import resolve_model
+
+        try:
+            self.model_dir = resolve_model(model)
+        except FileNotFoundError as exc:
+            raise ModelLoadError(str(exc)) from exc
+        self.device = pick_device(device)
+        self.model = load_model(self.model_dir, self.device, parse_dtype(dtype))
+        self.tokenizer = Tokenizer(self.model_dir) if (self.model_dir / "tokenizer.json").is_file() else None
+        self.eos_token_ids = eos_token_ids(self.model_dir, self.model.config.eos_token_ids)
+        config = EngineConfig(kv_cache_tokens=kv_cache_tokens, **engine_options)
+        if speculator is not None and hasattr(speculator, "bind"):
+            speculator = speculator.bind(self)
+        self.engine = Engine(self.model, config, self.eos_token_ids, speculator,
+                             self.tokenizer.decode if self.tokenizer else None)
+
+    def encode(self, prompt: str | Sequence[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise InvalidRequestError("this model directory has no tokenizer.json: pass token ids")
+            return self.tokenizer.encode(prompt)
+        return list(prompt)
+
+    def generate(self, prompts: str | Sequence[int] | Sequence[str | Sequence[int]],
+                 params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = False) -> list[Completion]:
+        """One completion per prompt, in order.  A single prompt (str or token list) is one prompt."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = params or SamplingParams()
+        param_list = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
+        if len(param_list) != len(prompts):
+            raise InvalidRequestError(f"{len(prompts)} prompts but {len(param_list)} SamplingParams")
+        encoded = [self.encode(p) for p in prompts]
+        for ids, sp in zip(encoded, param_list):  # all or nothing: a bad prompt queues none
+            self.engine.validate_request(ids, sp)
+        requests = [self.engine.add_request(ids, sp) for ids, sp in zip(encoded, param_list)]
+        self.run_until_done(requests, use_tqdm)
+        return [self.completion(r) for r in requests]
+
+    def run_until_done(self, requests: list[Request], use_tqdm: bool = False) -> None:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=len(requests), desc="generate", unit="req", disable=not use_tqdm)
+        while self.engine.has_work():
+            bar.update(len(self.engine.step()))
+        bar.close()
+
+    def completion(self, req: Request) -> Completion:
+        text = req.text
+        if text is None:
+            text = self.tokenizer.decode(req.output_token_ids) if self.tokenizer is not None else ""
+        return Completion(req.request_id, req.prompt_token_ids, list(req.output_token_ids), text,
+                          req.finish_reason or "abort", req.logprobs if req.params.logprobs is not None else None,
+                          req.num_steps, req.num_drafted, req.num_accepted, req.num_cached_prefix)
+
+    def score(self, sequences: Sequence[Sequence[int]]) -> list[list[float]]:
+        """For each token list, log p(token_i | tokens_<i) for i >= 1."""
+        if self.engine.has_work():
+            raise InvalidRequestError("score() needs an idle engine")
+        return [self.engine.score(list(seq)) for seq in sequences]

@@ -1,0 +1,1 @@
+"""Models alone: Hugging Face directory -> (config, weights, tokenizer) -> forward()."""

@@ -1,0 +1,75 @@
+"""Paged attention over a block-structured KV cache.
+
+The model sees a flat list of T new tokens belonging to B sequences.  For every sequence the
+``AttentionBatch`` says where its queries sit in the flat list, how many keys it has once this
+step's keys are written, and which cache blocks hold them.
+
+Worked example (block_size 4): a sequence already holding 5 tokens in blocks [7, 2] feeds 3 new
+tokens (a 3-token verify step).  Its context length becomes 8, so it needs blocks [7, 2] and the
+new keys go to slots 2*4+1, 2*4+2, 2*4+3 = 9, 10, 11.  Query i (0..2) sits at position 5+i and
+sees key j iff j <= 5 + i, i.e. j <= context_len - query_len + i.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclasses.dataclass
+class AttentionBatch:
+    query_start: torch.Tensor  # [B+1] long: queries of seq b are flat rows query_start[b]:query_start[b+1]
+    context_lens: torch.Tensor  # [B] long: keys of seq b after this step's writes
+    block_tables: torch.Tensor  # [B, max_blocks] long, padded with 0
+    slot_mapping: torch.Tensor  # [T] long: flat cache slot of each new token's key/value
+    max_query_len: int
+    max_context_len: int
+    # Derived index tensors for the gathered-SDPA path (built once per step, shared by all layers).
+    query_index: torch.Tensor | None = None  # [B, max_q] flat row of each padded query (0 for padding)
+    query_valid: torch.Tensor | None = None  # [B, max_q] bool
+    key_slots: torch.Tensor | None = None  # [B, max_ctx] cache slot of each key (0 for padding)
+    mask: torch.Tensor | None = None  # [B, 1, max_q, max_ctx] bool, True = may attend
+
+    @property
+    def num_seqs(self) -> int:
+        return int(self.context_lens.shape[0])
+
+    def prepare(self, block_size: int) -> "AttentionBatch":
+        """Build the padded gather indices and the causal mask; returns self."""
+        device = self.context_lens.device
+        query_lens = self.query_start[1:] - self.query_start[:-1]  # [B]
+        q_offsets = torch.arange(self.max_query_len, device=device)  # [max_q]
+        self.query_valid = q_offsets[None, :] < query_lens[:, None]
+        self.query_index = torch.where(self.query_valid, self.query_start[:-1, None] + q_offsets[None, :], 0)
+        k_pos = torch.arange(self.max_context_len, device=device)  # [max_ctx]
+        blocks = self.block_tables.gather(1, (k_pos // block_size).expand(self.num_seqs, -1).clamp(
+            max=self.block_tables.shape[1] - 1))
+        key_valid = k_pos[None, :] < self.context_lens[:, None]  # [B, max_ctx]
+        self.key_slots = torch.where(key_valid, blocks * block_size + k_pos % block_size, 0)
+        # query i of seq b is at absolute position context_len - query_len + i
+        q_pos = (self.context_lens - query_lens)[:, None] + q_offsets[None, :]  # [B, max_q]
+        causal = k_pos[None, None, :] <= q_pos[:, :, None]  # [B, max_q, max_ctx]
+        self.mask = (causal & key_valid[:, None, :]).unsqueeze(1)
+        return self
+
+
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """k_cache/v_cache [num_slots, Hkv, D]; k, v [T, Hkv, D]; writes row t to slot slot_mapping[t]."""
+    k_cache.index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: AttentionBatch,
+                    scale: float) -> torch.Tensor:
+    """q [T, H, D] -> out [T, H, D], attending over each sequence's cached keys (gather + SDPA)."""
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    qp = q[batch.query_index].transpose(1, 2)  # [B, H, max_q, D]
+    kp = k_cache[batch.key_slots].transpose(1, 2).to(q.dtype)  # [B, Hkv, max_ctx, D]
+    vp = v_cache[batch.key_slots].transpose(1, 2).to(q.dtype)
+    out = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=batch.mask, scale=scale,
+                                         enable_gqa=kp.shape[1] != num_heads)  # [B, H, max_q, D]
+    out = out.transpose(1, 2)  # [B, max_q, H, D]
+    return out[batch.query_valid].reshape(-1, num_heads, head_dim)

@@ -1,0 +1,99 @@
+"""The decoder-only transformer behind Qwen3ForCausalLM and LlamaForCausalLM.
+
+Module names follow the Hugging Face checkpoints (``model.layers.N.self_attn.q_proj`` ...), so a
+safetensors state dict loads as is.  The two architectures differ only in Qwen3's per-head RMSNorm
+of queries and keys before the rotary embedding.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from specdec.models.attention import AttentionBatch, paged_attention, write_kv
+from specdec.models.config import ModelConfig
+from specdec.models.layers import GatedMLP, RMSNorm, Rotary
+
+KVCaches = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: (k [slots, Hkv, D], v [slots, Hkv, D])
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, rotary: Rotary):
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.scale = self.head_dim**-0.5
+        bias = config.attention_bias
+        self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=bias)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.qk_norm = config.qk_norm
+        self._rotary = [rotary]  # shared, kept out of this module's state dict
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch,
+                kv_cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        tokens = x.shape[0]
+        q = self.q_proj(x).view(tokens, self.num_heads, self.head_dim)  # [T, H, D]
+        k = self.k_proj(x).view(tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        v = self.v_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self._rotary[0](q, k, positions)
+        k_cache, v_cache = kv_cache
+        write_kv(k_cache, v_cache, k, v, batch.slot_mapping)
+        out = paged_attention(q, k_cache, v_cache, batch, self.scale)  # [T, H, D]
+        return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, rotary: Rotary):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, rotary)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size)
+
+    def forward(self, x, positions, batch, kv_cache):
+        x = x + self.self_attn(self.input_layernorm(x), positions, batch, kv_cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderBody(nn.Module):
+    def __init__(self, config: ModelConfig, rotary: Rotary):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, rotary) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class CausalLM(nn.Module):
+    """forward(input_ids [T], positions [T], batch, kv_caches, logits_index [N]) -> logits [N, V]."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.rotary = Rotary(config, config.max_position_embeddings)
+        self.model = DecoderBody(config, self.rotary)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch,
+                      kv_caches: KVCaches) -> torch.Tensor:
+        """[T] ids -> [T, hidden] final-normed hidden states."""
+        x = self.model.embed_tokens(input_ids)
+        for layer, kv_cache in zip(self.model.layers, kv_caches):
+            x = layer(x, positions, batch, kv_cache)
+        return self.model.norm(x)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch,
+                kv_caches: KVCaches, logits_index: torch.Tensor | None = None) -> torch.Tensor:
+        hidden = self.hidden_states(input_ids, positions, batch, kv_caches)
+        if logits_index is not None:
+            hidden = hidden[logits_index]
+        return self.lm_head(hidden)

@@ -1,0 +1,102 @@
+"""Sampling parameters and the logits -> distribution processing every sampler and verifier shares."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from specdec.errors import InvalidRequestError
+
+
+@dataclasses.dataclass
+class SamplingParams:
+    """How to sample one request.  temperature 0 means greedy (argmax)."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    logprobs: int | None = None  # None = off; N >= 0 = sampled token's log-prob plus top-N alternatives
+
+    def __post_init__(self):
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        self.validate()
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self) -> None:
+        if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
+            raise InvalidRequestError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+        if not (isinstance(self.temperature, (int, float)) and 0.0 <= self.temperature <= 100.0):
+            raise InvalidRequestError(f"temperature must be in [0, 100], got {self.temperature!r}")
+        if not (isinstance(self.top_p, (int, float)) and 0.0 < self.top_p <= 1.0):
+            raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise InvalidRequestError(f"top_k must be 0 (off) or a positive integer, got {self.top_k!r}")
+        if self.logprobs is not None and not (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20):
+            raise InvalidRequestError(f"logprobs must be an integer in [0, 20], got {self.logprobs!r}")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise InvalidRequestError("stop strings must be non-empty strings")
+        if self.seed is not None and not isinstance(self.seed, int):
+            raise InvalidRequestError(f"seed must be an integer, got {self.seed!r}")
+
+    def make_generator(self, device: torch.device) -> torch.Generator | None:
+        if self.seed is None:
+            return None
+        gen = torch.Generator(device=device)
+        gen.manual_seed(self.seed)
+        return gen
+
+
+def processed_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """logits [N, V] -> the distribution actually sampled from, [N, V] float32.
+
+    Greedy gives the one-hot of the argmax; otherwise softmax(logits / T) restricted to the top-k
+    tokens and to the smallest set whose mass reaches top_p (ties broken by token order), renormalised.
+    """
+    logits = logits.float()
+    if params.greedy:
+        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
+    logits = logits / params.temperature
+    vocab = logits.shape[-1]
+    if 0 < params.top_k < vocab:
+        kth = logits.topk(params.top_k, dim=-1).values[..., -1:]  # [N, 1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = logits.softmax(-1)
+    if params.top_p < 1.0:
+        probs = _top_p(probs, params.top_p)
+    return probs
+
+
+def _top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Keep the smallest prefix of tokens (by descending probability) whose mass reaches top_p."""
+    sorted_probs, order = probs.sort(dim=-1, descending=True, stable=True)
+    mass_before = sorted_probs.cumsum(-1) - sorted_probs  # mass of strictly better tokens
+    keep_sorted = mass_before < top_p  # the first token is always kept
+    keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
+    kept = probs * keep
+    return kept / kept.sum(-1, keepdim=True)
+
+
+def top_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, n: int):
+    """logits [N, V], token_ids [N] -> (chosen log-prob [N], top-n ids [N, n], top-n log-probs [N, n]).
+
+    Log-probs are those of the model (log_softmax of the raw logits), as OpenAI's API reports them.
+    """
+    logp = logits.float().log_softmax(-1)
+    chosen = logp.gather(-1, token_ids[:, None]).squeeze(-1)
+    top = logp.topk(n, dim=-1) if n > 0 else None
+    if top is None:
+        empty = token_ids.new_zeros((token_ids.shape[0], 0))
+        return chosen, empty, logp.new_zeros((token_ids.shape[0], 0))
+    return chosen, top.indices, top.values

@@ -1,0 +1,1 @@
+"""Training for the reference model pair: pre-training (``lm``) and drafter distillation (``distill``)."""

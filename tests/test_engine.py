@@ -1,0 +1,128 @@
+"""Plain generation through the paged, continuously batched engine reproduces the model exactly."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdec import LLM, SamplingParams
+
+GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+
+
+def prompts(n: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(3, 40, (n,), generator=g).tolist()
+    return [torch.randint(2, 96, (length,), generator=g).tolist() for length in lengths]
+
+
+def hf_greedy(model_dir, ids: list[int], n: int) -> list[int]:
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, eos_token_id=None,
+                         pad_token_id=0)
+    return out[0, len(ids):].tolist()
+
+
+@pytest.fixture(scope="module")
+def alone(llm):
+    """Each prompt generated on its own."""
+    return [llm.generate(p, GREEDY)[0].token_ids for p in prompts(6)]
+
+
+def test_greedy_equals_transformers_generate(qwen3_dir, llm):
+    for ids in prompts(3, seed=5):
+        assert llm.generate(ids, GREEDY)[0].token_ids == hf_greedy(qwen3_dir, ids, GREEDY.max_tokens)
+
+
+def test_batch_equals_alone(llm, alone):
+    outs = llm.generate(prompts(6), GREEDY)
+    assert [o.token_ids for o in outs] == alone
+    assert all(o.finish_reason == "length" and len(o.token_ids) == 24 for o in outs)
+
+
+def test_small_cache_forces_preemption_and_keeps_outputs(qwen3_dir, alone):
+    llm = LLM(qwen3_dir, device="cpu", kv_cache_tokens=96, block_size=4)
+    outs = llm.generate(prompts(6), GREEDY)
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert [o.token_ids for o in outs] == alone
+
+
+def test_chunked_prefill_and_small_batches_keep_outputs(qwen3_dir, alone):
+    llm = LLM(qwen3_dir, device="cpu", kv_cache_tokens=2048, block_size=4, max_num_batched_tokens=7,
+              max_num_seqs=2)
+    assert [o.token_ids for o in llm.generate(prompts(6), GREEDY)] == alone
+
+
+def test_prefix_cache_hits_keep_outputs(qwen3_dir):
+    llm = LLM(qwen3_dir, device="cpu", kv_cache_tokens=2048, block_size=4)
+    shared = prompts(1, seed=3)[0] + prompts(1, seed=4)[0]
+    variants = [shared + [7, 8, 9], shared + [10], shared]
+    first = [llm.generate(v, GREEDY)[0] for v in variants]
+    again = llm.generate(variants, GREEDY)
+    assert [o.token_ids for o in again] == [o.token_ids for o in first]
+    assert first[1].num_cached_prompt_tokens >= (len(shared) // 4) * 4 - 4
+    assert all(o.num_cached_prompt_tokens > 0 for o in again)
+    fresh = LLM(qwen3_dir, device="cpu", kv_cache_tokens=2048, block_size=4)
+    assert [fresh.generate(v, GREEDY)[0].token_ids for v in variants] == [o.token_ids for o in first]
+
+
+def test_requests_join_a_running_batch(llm, alone):
+    """Continuous batching: a request added mid-flight joins and both finish as if alone."""
+    ps = prompts(6)
+    first = llm.engine.add_request(ps[0], GREEDY)
+    for _ in range(5):
+        llm.engine.step()
+    second = llm.engine.add_request(ps[1], GREEDY)
+    llm.engine.step()
+    assert second in llm.engine.scheduler.running and first in llm.engine.scheduler.running
+    llm.run_until_done([first, second])
+    assert [first.output_token_ids, second.output_token_ids] == alone[:2]
+
+
+def test_eos_and_stop_token_ids_end_generation(llm, alone):
+    ids = prompts(6)[0]
+    stop_at = alone[0][5]
+    out = llm.generate(ids, SamplingParams(max_tokens=24, temperature=0, stop_token_ids=[stop_at]))[0]
+    assert out.finish_reason == "stop"
+    assert out.token_ids == alone[0][:alone[0].index(stop_at) + 1]
+
+
+def test_stop_strings_cut_text(llm):
+    text_prompt = "def add(a, b):"
+    full = llm.generate(text_prompt, SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))[0]
+    stop = full.text[6:8]
+    out = llm.generate(text_prompt, SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, stop=[stop]))[0]
+    assert out.finish_reason == "stop"
+    assert out.text == full.text[:full.text.index(stop)]
+
+
+def test_logprobs_match_score(llm):
+    ids = prompts(1, seed=9)[0]
+    out = llm.generate(ids, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=3))[0]
+    scored = llm.score([ids + out.token_ids])[0][len(ids) - 1:]
+    assert len(out.logprobs) == 8
+    for entry, ref in zip(out.logprobs, scored):
+        assert abs(entry.logprob - ref) < 1e-4
+        assert entry.top[0][0] == entry.token_id  # greedy picks the best token
+        assert len(entry.top) == 3 and entry.top[0][1] >= entry.top[1][1] >= entry.top[2][1]
+
+
+def test_score_matches_transformers(qwen3_dir, llm):
+    import transformers
+
+    ids = prompts(1, seed=11)[0]
+    model = transformers.AutoModelForCausalLM.from_pretrained(qwen3_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logp = model(torch.tensor([ids])).logits[0].log_softmax(-1)
+    ref = [logp[i, ids[i + 1]].item() for i in range(len(ids) - 1)]
+    assert max(abs(a - b) for a, b in zip(llm.score([ids])[0], ref)) < 1e-4
+
+
+def test_text_prompts_and_chat_template(llm):
+    out = llm.generate(["hello", "world"], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    assert len(out) == 2 and all(len(o.token_ids) == 4 for o in out)
+    assert out[0].prompt_token_ids == llm.tokenizer.encode("hello")
+    chat = llm.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])
+    assert chat == "<user>hi\n<assistant>"

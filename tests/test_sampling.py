@@ -1,0 +1,79 @@
+"""Sampling: seeded reproducibility and distribution tests with power (plus negative controls)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from scipy import stats
+
+from specdec import SamplingParams
+
+PROMPT = [5, 17, 30, 2, 9]
+N_SAMPLES = 3000
+
+
+def reference_distribution(llm, temperature: float, top_k: int, top_p: float) -> np.ndarray:
+    """The processed next-token distribution, computed independently in numpy from transformers' logits."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(llm.model_dir, dtype=torch.float64).eval()
+    with torch.no_grad():
+        logits = model(torch.tensor([PROMPT])).logits[0, -1].numpy() / temperature
+    p = np.exp(logits - logits.max())
+    p /= p.sum()
+    order = np.argsort(-p, kind="stable")
+    keep = np.zeros_like(p, dtype=bool)
+    mass = 0.0
+    for rank, tok in enumerate(order):
+        if (top_k and rank >= top_k) or mass >= top_p:
+            break
+        keep[tok] = True
+        mass += p[tok]
+    q = np.where(keep, p, 0.0)
+    return q / q.sum()
+
+
+def sampled_counts(llm, params: SamplingParams) -> np.ndarray:
+    outs = llm.generate([PROMPT] * N_SAMPLES, params)
+    return np.bincount([o.token_ids[0] for o in outs], minlength=llm.engine.vocab_size)
+
+
+def chi_square_p(counts: np.ndarray, probs: np.ndarray) -> float:
+    """Pearson chi-square p-value, pooling cells with expected count < 5 into one."""
+    expected = probs * counts.sum()
+    if counts[expected == 0].sum() > 0:
+        return 0.0  # a token the distribution forbids was sampled
+    big = expected >= 5
+    obs = np.append(counts[big], counts[~big].sum())
+    exp = np.append(expected[big], expected[~big].sum())
+    if exp[-1] == 0:
+        obs, exp = obs[:-1], exp[:-1]
+    return float(stats.chisquare(obs, exp).pvalue)
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 0, 0.8), (1.3, 12, 1.0)])
+def test_sampled_frequencies_follow_processed_distribution(llm, temperature, top_k, top_p):
+    counts = sampled_counts(llm, SamplingParams(max_tokens=1, temperature=temperature, top_k=top_k, top_p=top_p,
+                                                seed=None))
+    right = reference_distribution(llm, temperature, top_k, top_p)
+    assert chi_square_p(counts, right) > 1e-3
+    # negative control: the same samples must reject a nearby wrong distribution
+    wrong = reference_distribution(llm, temperature * 1.6, top_k, top_p)
+    assert chi_square_p(counts, wrong) < 1e-6
+
+
+def test_seeded_sampling_is_reproducible_whatever_the_batch(llm):
+    params = SamplingParams(max_tokens=12, temperature=1.0, seed=1234, ignore_eos=True)
+    alone = llm.generate(PROMPT, params)[0].token_ids
+    others = [SamplingParams(max_tokens=12, temperature=1.0, seed=s, ignore_eos=True) for s in range(5)]
+    batch = llm.generate([[3, 4], PROMPT + [1], PROMPT, [9] * 7], [others[0], others[1], params, others[2]])
+    assert batch[2].token_ids == alone
+    assert llm.generate(PROMPT, SamplingParams(max_tokens=12, temperature=1.0, seed=99, ignore_eos=True))[0] \
+        .token_ids != alone
+
+
+def test_top_k_one_is_greedy(llm):
+    greedy = llm.generate(PROMPT, SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))[0].token_ids
+    top1 = llm.generate(PROMPT, SamplingParams(max_tokens=10, temperature=0.9, top_k=1, ignore_eos=True))[0]
+    assert top1.token_ids == greedy
