@@ -64,10 +64,13 @@ class LLM:
         self.tokenizer = Tokenizer(self.model_dir) if (self.model_dir / "tokenizer.json").is_file() else None
         self.eos_token_ids = eos_token_ids(self.model_dir, self.model.config.eos_token_ids)
         config = EngineConfig(kv_cache_tokens=kv_cache_tokens, **engine_options)
-        if speculator is not None and hasattr(speculator, "bind"):
-            speculator = speculator.bind(self)
-        self.engine = Engine(self.model, config, self.eos_token_ids, speculator,
+        self.engine = Engine(self.model, config, self.eos_token_ids, None,
                              self.tokenizer.decode if self.tokenizer else None)
+        self.spec_config = speculator
+        if speculator is not None:
+            from specdec.speculate.build import build_speculator
+
+            self.engine.set_speculator(*build_speculator(speculator, self))
 
     def encode(self, prompt: str | Sequence[int]) -> list[int]:
         if isinstance(prompt, str):

@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from scipy import stats
 
 from specdec import SamplingParams
+from tests.stats import chi_square_p
 
 PROMPT = [5, 17, 30, 2, 9]
 N_SAMPLES = 3000
@@ -37,19 +37,6 @@ def reference_distribution(llm, temperature: float, top_k: int, top_p: float) ->
 def sampled_counts(llm, params: SamplingParams) -> np.ndarray:
     outs = llm.generate([PROMPT] * N_SAMPLES, params)
     return np.bincount([o.token_ids[0] for o in outs], minlength=llm.engine.vocab_size)
-
-
-def chi_square_p(counts: np.ndarray, probs: np.ndarray) -> float:
-    """Pearson chi-square p-value, pooling cells with expected count < 5 into one."""
-    expected = probs * counts.sum()
-    if counts[expected == 0].sum() > 0:
-        return 0.0  # a token the distribution forbids was sampled
-    big = expected >= 5
-    obs = np.append(counts[big], counts[~big].sum())
-    exp = np.append(expected[big], expected[~big].sum())
-    if exp[-1] == 0:
-        obs, exp = obs[:-1], exp[:-1]
-    return float(stats.chisquare(obs, exp).pvalue)
 
 
 @pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 0, 0.8), (1.3, 12, 1.0)])

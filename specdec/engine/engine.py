@@ -57,8 +57,11 @@ class Engine:
         self.runner = ModelRunner(model, self.kv_cache, self.device)
         self.eos_token_ids = eos_token_ids
         self.speculator = speculator
+        self.controller = None  # speculate.cost_model.KController: how many drafts this step
         self.detokenize = detokenize  # ids -> text, needed for stop strings
-        self.stats = {"steps": 0, "tokens_fed": 0, "tokens_emitted": 0, "drafted": 0, "accepted": 0}
+        self.stats = {"steps": 0, "tokens_fed": 0, "tokens_emitted": 0, "drafts": 0, "draft_tokens": 0,
+                      "accepted_tokens": 0, "verify_steps": 0}
+        self.accepted_per_position = [0] * 33  # [j]: drafts accepted at position j (0-based)
 
     @property
     def capacity_tokens(self) -> int:
@@ -84,6 +87,7 @@ class Engine:
         if not req.finished:
             self.scheduler.finish(req)
             req.finish("abort")
+            self._on_finished(req)
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
@@ -110,10 +114,12 @@ class Engine:
     def step(self) -> list[Request]:
         """Run one engine step; return the requests that finished during it."""
         if self.speculator is not None:
-            self.speculator.propose([r for r in self.scheduler.running if not r.is_prefilling])
+            self._propose()
         seqs = self.scheduler.schedule()
         finished = list(self.scheduler.out_of_cache)
         self.scheduler.out_of_cache.clear()
+        for req in finished:
+            self._on_finished(req)
         if not seqs:
             return finished
         logits = self.runner.forward(seqs)  # per seq [1 + drafts, V] or empty
@@ -124,6 +130,26 @@ class Engine:
         self.stats["steps"] += 1
         self.stats["tokens_fed"] += sum(s.num_new for s in seqs)
         return finished
+
+    def set_speculator(self, speculator, controller) -> None:
+        self.speculator, self.controller = speculator, controller
+
+    def _propose(self) -> None:
+        """Drafts for every decoding request; k from the controller, capped by what may still be generated."""
+        running = self.scheduler.running
+        decoding = [r for r in running if not r.is_prefilling]
+        prefill = sum(r.num_tokens - r.num_computed for r in running if r.is_prefilling)
+        prefill += sum(r.num_tokens for r in self.scheduler.waiting)
+        k = self.controller.choose([r.request_id for r in decoding],
+                                   min(prefill, self.config.max_num_batched_tokens))
+        ks = [max(0, min(k, r.params.max_tokens - len(r.output_token_ids) - 1,
+                         self.max_model_len - r.num_tokens - 1)) for r in decoding]
+        self.speculator.propose(decoding, ks)
+
+    def _on_finished(self, req: Request) -> None:
+        if self.speculator is not None:
+            self.speculator.release(req)
+            self.controller.acceptance.forget(req.request_id)
 
     def _commit(self, seq: ScheduledSeq, rows: torch.Tensor, tokens: list[int]) -> bool:
         """Record what the step computed and produced; returns True when the request finished."""
@@ -137,8 +163,9 @@ class Engine:
         req.num_steps += 1
         req.num_drafted += seq.num_drafts
         req.num_accepted += accepted
-        self.stats["drafted"] += seq.num_drafts
-        self.stats["accepted"] += accepted
+        self._count_speculation(seq.num_drafts, accepted)
+        if self.controller is not None:
+            self.controller.acceptance.update(req.request_id, seq.num_drafts, accepted)
         if req.params.logprobs is not None:
             self._record_logprobs(req, rows[:len(tokens)], tokens)
         for token in tokens:
@@ -154,7 +181,34 @@ class Engine:
         self._register_full_blocks(req)
         if req.finished:
             self.scheduler.finish(req)
+            self._on_finished(req)
         return req.finished
+
+    def _count_speculation(self, num_drafts: int, accepted: int) -> None:
+        self.stats["verify_steps"] += 1
+        if num_drafts:
+            self.stats["drafts"] += 1
+            self.stats["draft_tokens"] += num_drafts
+            self.stats["accepted_tokens"] += accepted
+            for j in range(accepted):
+                self.accepted_per_position[j] += 1
+
+    def metrics(self) -> dict:
+        """A snapshot of engine-wide counters and gauges (for /metrics and reports)."""
+        used = self.blocks.num_blocks - self.blocks.num_free
+        return {
+            **self.stats,
+            "accepted_per_position": list(self.accepted_per_position),
+            "running": len(self.scheduler.running),
+            "waiting": len(self.scheduler.waiting),
+            "kv_cache_usage": used / self.blocks.num_blocks,
+            "preemptions": self.scheduler.num_preemptions,
+            "prefix_cache_hit_tokens": self.blocks.prefix_hits,
+            "prefix_cache_query_tokens": self.blocks.prefix_queries,
+            "speculator": self.speculator.name if self.speculator else None,
+            "draft_k": self.controller.last_k if self.controller else 0,
+            **(self.speculator.metrics() if self.speculator else {}),
+        }
 
     def _finish_reason(self, req: Request, token: int) -> str | None:
         if token in req.stop_ids:

@@ -1,0 +1,25 @@
+"""The speculator protocol: fill each request's drafts for the coming step."""
+
+from __future__ import annotations
+
+from specdec.engine.request import Request
+
+
+class Speculator:
+    """Proposes up to k[i] draft tokens for requests[i], writing req.draft_token_ids (and draft_probs).
+
+    draft_probs is [n, V] (the drafter's distributions, needed for lossless sampling) or None for a
+    deterministic drafter (probability 1 on each drafted token).
+    """
+
+    name = "none"
+    has_draft_model = False  # whether proposing costs forward passes of a drafter (for the cost model)
+
+    def propose(self, requests: list[Request], ks: list[int]) -> None:
+        raise NotImplementedError
+
+    def release(self, request: Request) -> None:
+        """The request finished or was aborted: drop any per-request state."""
+
+    def metrics(self) -> dict:
+        return {}

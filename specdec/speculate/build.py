@@ -1,0 +1,104 @@
+"""Build a speculator and its k controller for an LLM from a SpecConfig; refuse mismatched drafters."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import torch
+
+from specdec.engine.kv_cache import BlockManager
+from specdec.engine.runner import ModelRunner
+from specdec.engine.scheduler import ScheduledSeq
+from specdec.engine.request import Request
+from specdec.errors import ConfigError
+from specdec.models.loader import load_model
+from specdec.models.transformer import CausalLM
+from specdec.sampling import SamplingParams
+from specdec.speculate.base import Speculator
+from specdec.speculate.config import SpecConfig
+from specdec.speculate.cost_model import KController, StepCostTable, measure_forward_cost
+from specdec.speculate.ngram import NgramSpeculator
+
+
+def build_speculator(config: SpecConfig, llm) -> tuple[Speculator, KController]:
+    engine = llm.engine
+    if config.method == "ngram":
+        spec: Speculator = NgramSpeculator(config.ngram_max, config.ngram_min)
+    elif config.method == "draft":
+        spec = _draft_speculator(config, llm)
+    else:
+        from specdec.speculate.remote import RemoteSpeculator
+
+        spec = RemoteSpeculator(config.url, timeout_s=config.timeout_s)
+    target_cost = draft_cost = None
+    if config.adaptive:
+        target_cost = measure_target_cost(engine.model, engine.blocks, engine.kv_cache, engine.device,
+                                          engine.config.max_num_batched_tokens)
+        if spec.has_draft_model:
+            draft_cost = measure_target_cost(spec.model, spec.blocks, spec.kv, spec.device,
+                                             min(engine.config.max_num_seqs, 256))
+    return spec, KController(config.num_draft_tokens, target_cost, draft_cost, config.adaptive)
+
+
+def _draft_speculator(config: SpecConfig, llm):
+    from specdec.assets import resolve_model
+    from specdec.speculate.draft_model import DraftModelSpeculator
+
+    try:
+        draft_dir = resolve_model(config.model)
+    except FileNotFoundError as exc:
+        raise ConfigError(f"drafter: {exc}") from exc
+    check_same_tokenizer(llm.model_dir, draft_dir)
+    drafter = load_model(draft_dir, llm.device, llm.model.lm_head.weight.dtype)
+    if drafter.config.vocab_size != llm.model.config.vocab_size:
+        raise ConfigError(f"drafter {draft_dir} has a vocabulary of {drafter.config.vocab_size} tokens, the target "
+                          f"{llm.model.config.vocab_size}: a drafter must share the target's tokenizer and vocabulary")
+    tokens = config.draft_kv_cache_tokens or llm.engine.capacity_tokens
+    if llm.device.type == "cuda" and config.draft_kv_cache_tokens is None:
+        from specdec.engine.kv_cache import KVCache
+
+        free, _ = torch.cuda.mem_get_info(llm.device)
+        fits = int(free * 0.8) // KVCache.bytes_per_token(drafter.config, drafter.lm_head.weight.dtype)
+        tokens = min(tokens, fits)
+    return DraftModelSpeculator(drafter, llm.model.config.vocab_size, tokens, llm.engine.config.block_size)
+
+
+def check_same_tokenizer(target_dir: Path, draft_dir: Path) -> None:
+    """Refuse a drafter whose tokenizer.json vocabulary differs from the target's."""
+    vocabs = []
+    for d in (target_dir, draft_dir):
+        path = Path(d) / "tokenizer.json"
+        vocabs.append(json.loads(path.read_text()).get("model", {}).get("vocab") if path.is_file() else None)
+    if vocabs[0] is not None and vocabs[1] is not None and vocabs[0] != vocabs[1]:
+        raise ConfigError(f"drafter {draft_dir} has a different tokenizer from the target {target_dir}: "
+                          "speculation needs both to share one tokenizer")
+
+
+@torch.inference_mode()
+def measure_target_cost(model: CausalLM, blocks: BlockManager, kv_cache, device: torch.device,
+                        max_tokens: int) -> StepCostTable:
+    """Step time against tokens fed: B sequences of up to 16 query tokens each, short contexts."""
+    runner = ModelRunner(model, kv_cache, device)
+    fits = blocks.num_free // blocks.blocks_for(16) * 16  # tokens of scratch sequences the free cache holds
+    sizes = [2**i for i in range(int(math.log2(max(1, min(max_tokens, fits)))) + 1)]
+
+    def forward(n: int) -> None:
+        per_seq = min(16, n)
+        seqs, held = [], []
+        for _ in range(math.ceil(n / per_seq)):
+            req = Request([1] * per_seq, SamplingParams(max_tokens=1), device)
+            req.block_ids = blocks.allocate(blocks.blocks_for(per_seq)) or []
+            held.append(req)
+            if not req.block_ids:
+                break
+            seqs.append(ScheduledSeq(req, per_seq, 0, samples=True))
+        try:
+            if len(seqs) == len(held):
+                runner.forward(seqs)
+        finally:
+            for req in held:
+                blocks.release(req.block_ids)
+
+    return measure_forward_cost(forward, sizes, device)

@@ -1,0 +1,57 @@
+"""SpecConfig: which speculator, with which drafter and how many draft tokens; and its CLI flags."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+from specdec.errors import ConfigError
+
+METHODS = ("draft", "ngram", "remote")
+MAX_DRAFT_TOKENS = 32
+
+
+@dataclasses.dataclass
+class SpecConfig:
+    method: str  # "draft" | "ngram" | "remote"
+    model: str | None = None  # draft: the drafter's model directory (or short name, e.g. ref-draft)
+    num_draft_tokens: int = 4  # k, the most drafts per request per step
+    url: str | None = None  # remote: base URL of a /draft server
+    adaptive: bool = True  # choose k per step from the cost model (0 = off when it does not pay)
+    ngram_max: int = 4  # ngram: longest suffix to match
+    ngram_min: int = 1  # ngram: shortest suffix to match
+    draft_kv_cache_tokens: int | None = None  # draft: drafter KV size (default: the target's)
+    timeout_s: float = 2.0  # remote: per-request timeout before falling back to no drafts
+
+    def __post_init__(self):
+        self.validate()
+
+    def validate(self) -> None:
+        if self.method not in METHODS:
+            raise ConfigError(f"unknown speculator {self.method!r}: use one of {', '.join(METHODS)}")
+        if not isinstance(self.num_draft_tokens, int) or not 1 <= self.num_draft_tokens <= MAX_DRAFT_TOKENS:
+            raise ConfigError(f"num_draft_tokens must be an integer in [1, {MAX_DRAFT_TOKENS}], "
+                              f"got {self.num_draft_tokens!r}")
+        if self.method == "draft" and not self.model:
+            raise ConfigError("the draft speculator needs a drafter model: SpecConfig(method='draft', model=DIR)"
+                              " / --draft-model DIR")
+        if self.method == "remote" and not self.url:
+            raise ConfigError("the remote speculator needs the /draft server's URL: --draft-url URL")
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise ConfigError(f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min}, {self.ngram_max}")
+
+
+def add_spec_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("speculation")
+    group.add_argument("--speculator", choices=METHODS, default=None, help="speculative decoding method (default: off)")
+    group.add_argument("--draft-model", default=None, help="drafter model directory or short name (draft)")
+    group.add_argument("--num-draft-tokens", type=int, default=4, help="k: most drafts per request per step")
+    group.add_argument("--draft-url", default=None, help="base URL of a /draft server (remote)")
+    group.add_argument("--fixed-k", action="store_true", help="always draft k tokens (no cost-model choice of k)")
+
+
+def spec_config_from_args(args: argparse.Namespace) -> SpecConfig | None:
+    if args.speculator is None:
+        return None
+    return SpecConfig(method=args.speculator, model=args.draft_model, num_draft_tokens=args.num_draft_tokens,
+                      url=args.draft_url, adaptive=not args.fixed_k)

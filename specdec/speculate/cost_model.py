@@ -1,0 +1,119 @@
+"""Choosing k each step so that speculation pays: measured step costs and running acceptance rates.
+
+A step that verifies k drafts for each of B decoding requests feeds T = B (k + 1) tokens (plus any
+prefill) to the target and costs t_target(T) + k t_draft(B).  Request r then emits on average
+E_r(k) = 1 + a_r + a_r^2 + ... + a_r^k tokens, a_r being its acceptance rate.  The controller picks
+the k in 0..k_max with the most tokens per second, sum_r E_r(k) / cost(k); k = 0 is plain decoding,
+so when the target is compute-bound (a busy engine) speculation switches itself off.
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from collections.abc import Callable
+
+import torch
+
+PRIOR_ACCEPTANCE = 0.5
+PRIOR_WEIGHT = 4.0  # the prior counts as this many tested drafts
+DECAY = 0.98  # per-step forgetting of old acceptance evidence
+
+
+class StepCostTable:
+    """Seconds per forward as a function of tokens fed: measured points, linear in between and beyond."""
+
+    def __init__(self, points: dict[int, float]):
+        self.tokens = sorted(points)
+        self.seconds = [points[t] for t in self.tokens]
+
+    def __call__(self, tokens: int) -> float:
+        xs, ys = self.tokens, self.seconds
+        if tokens <= xs[0]:
+            return ys[0]
+        if tokens >= xs[-1]:  # beyond the table: cost grows in proportion (compute-bound)
+            return ys[-1] * tokens / xs[-1]
+        i = bisect.bisect_left(xs, tokens)
+        w = (tokens - xs[i - 1]) / (xs[i] - xs[i - 1])
+        return ys[i - 1] + w * (ys[i] - ys[i - 1])
+
+
+def measure_forward_cost(forward: Callable[[int], None], sizes: list[int], device: torch.device,
+                         repeats: int = 3) -> StepCostTable:
+    """Time forward(n) for each n (median of `repeats`, after one warm-up call)."""
+    points = {}
+    for n in sizes:
+        forward(n)
+        times = []
+        for _ in range(repeats):
+            _sync(device)
+            t0 = time.perf_counter()
+            forward(n)
+            _sync(device)
+            times.append(time.perf_counter() - t0)
+        points[n] = sorted(times)[len(times) // 2]
+    return StepCostTable(points)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class AcceptanceTracker:
+    """Per-request acceptance rate: accepted / tested drafts with a prior, decayed each update."""
+
+    def __init__(self):
+        self.accepted: dict[str, float] = {}
+        self.tested: dict[str, float] = {}
+
+    def rate(self, request_id: str) -> float:
+        a = self.accepted.get(request_id, 0.0) + PRIOR_ACCEPTANCE * PRIOR_WEIGHT
+        return a / (self.tested.get(request_id, 0.0) + PRIOR_WEIGHT)
+
+    def update(self, request_id: str, num_drafts: int, num_accepted: int) -> None:
+        if num_drafts == 0:
+            return
+        tested = num_accepted + (1 if num_accepted < num_drafts else 0)  # drafts whose test was run
+        self.accepted[request_id] = self.accepted.get(request_id, 0.0) * DECAY + num_accepted
+        self.tested[request_id] = self.tested.get(request_id, 0.0) * DECAY + tested
+
+    def forget(self, request_id: str) -> None:
+        self.accepted.pop(request_id, None)
+        self.tested.pop(request_id, None)
+
+
+def expected_tokens(alpha: float, k: int) -> float:
+    """1 + alpha + ... + alpha^k: tokens emitted per verify step with k drafts."""
+    return sum(alpha**i for i in range(k + 1))
+
+
+class KController:
+    """Picks the number of drafts per request for the coming step."""
+
+    def __init__(self, k_max: int, target_cost: Callable[[int], float] | None,
+                 draft_cost: Callable[[int], float] | None, adaptive: bool = True):
+        self.k_max = k_max
+        self.target_cost = target_cost
+        self.draft_cost = draft_cost or (lambda batch: 0.0)
+        self.adaptive = adaptive and target_cost is not None
+        self.acceptance = AcceptanceTracker()
+        self.last_k = k_max
+
+    def choose(self, request_ids: list[str], other_tokens: int) -> int:
+        """k for this step, given the decoding requests and the prefill tokens sharing the step."""
+        if not request_ids:
+            return 0
+        if not self.adaptive:
+            self.last_k = self.k_max
+            return self.k_max
+        rates = [self.acceptance.rate(r) for r in request_ids]
+        batch = len(request_ids)
+        best_k, best_rate = 0, 0.0
+        for k in range(self.k_max + 1):
+            tokens = sum(expected_tokens(a, k) for a in rates)
+            cost = self.target_cost(other_tokens + batch * (k + 1)) + k * self.draft_cost(batch)
+            if tokens / cost > best_rate * 1.0001:
+                best_k, best_rate = k, tokens / cost
+        self.last_k = best_k
+        return best_k

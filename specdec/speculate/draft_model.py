@@ -1,0 +1,161 @@
+"""A separate small drafter model with its own paged KV cache, proposing a chain of k tokens per step.
+
+For every target request the drafter keeps a shadow sequence: the tokens its cache was computed on.
+Each step the shadow is synced with the request (a rejected draft makes the shadow diverge; its
+cache is valid only up to the first difference), catches up on the new tokens in one forward that
+also yields draft 1, then feeds each draft to get the next: k forwards for k drafts, all requests
+batched together.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specdec.engine.kv_cache import BlockManager, KVCache
+from specdec.engine.request import Request
+from specdec.engine.runner import ModelRunner
+from specdec.engine.scheduler import ScheduledSeq
+from specdec.models.transformer import CausalLM
+from specdec.sampling import SamplingParams, processed_probs
+from specdec.speculate.base import Speculator
+
+CATCH_UP_CHUNK = 2048  # most tokens fed in one drafter forward while catching up
+
+
+class Shadow:
+    """The drafter's view of one request: the tokens its KV was computed on, and its blocks."""
+
+    def __init__(self, device: torch.device, seed: int | None):
+        self.seq = Request([0], SamplingParams(max_tokens=1), device)  # token store for the runner
+        self.seq.prompt_token_ids = []
+        self.generator = None
+        if seed is not None:  # a seeded request drafts reproducibly, from a stream of its own
+            self.generator = torch.Generator(device=device)
+            self.generator.manual_seed(seed ^ 0x5EED)
+
+
+class DraftModelSpeculator(Speculator):
+    name = "draft"
+    has_draft_model = True
+
+    def __init__(self, model: CausalLM, target_vocab: int, kv_cache_tokens: int, block_size: int = 16):
+        self.model = model
+        self.device = model.lm_head.weight.device
+        self.target_vocab = target_vocab
+        num_blocks = max(1, kv_cache_tokens // block_size)
+        self.kv = KVCache(model.config, num_blocks, block_size, self.device, model.lm_head.weight.dtype)
+        self.blocks = BlockManager(num_blocks, block_size)
+        self.runner = ModelRunner(model, self.kv, self.device)
+        self.max_positions = model.config.max_position_embeddings
+        self.shadows: dict[str, Shadow] = {}
+        self.stats = {"draft_forwards": 0, "skipped_no_cache": 0}
+
+    # ------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def propose(self, requests: list[Request], ks: list[int]) -> None:
+        active = []
+        for req, k in zip(requests, ks):
+            req.draft_token_ids, req.draft_probs = [], None
+            k = min(k, self.max_positions - req.num_tokens)
+            if k > 0 and self._sync(req, k):
+                active.append((req, k))
+        if not active:
+            return
+        self._catch_up([self._shadow(r) for r, _ in active])
+        probs: dict[str, list[torch.Tensor]] = {r.request_id: [] for r, _ in active}
+        step = [(r, k) for r, k in active]
+        for i in range(max(k for _, k in active)):
+            step = [(r, k) for r, k in step if k > i]
+            seqs = [self._feed(r) for r, _ in step]
+            logits = self.runner.forward(seqs)  # per seq [1, V_draft]
+            self.stats["draft_forwards"] += 1
+            for (req, _), seq, rows in zip(step, seqs, logits):
+                shadow = self._shadow(req)
+                shadow.seq.num_computed += seq.num_new
+                token, q = self._sample(req, shadow, rows[-1:])
+                req.draft_token_ids.append(token)
+                probs[req.request_id].append(q)
+                shadow.seq.prompt_token_ids.append(token)  # fed at the next drafter step (if any)
+        for req, _ in active:
+            if not req.params.greedy:
+                req.draft_probs = torch.cat(probs[req.request_id])  # [k, V_target]
+            # the last draft was never fed: the shadow's cache ends one token earlier
+            self._shadow(req).seq.prompt_token_ids.pop()
+
+    def release(self, request: Request) -> None:
+        shadow = self.shadows.pop(request.request_id, None)
+        if shadow is not None:
+            self.blocks.release(shadow.seq.block_ids)
+
+    def metrics(self) -> dict:
+        return dict(self.stats)
+
+    # ------------------------------------------------------------------
+
+    def _shadow(self, req: Request) -> Shadow:
+        if req.request_id not in self.shadows:
+            self.shadows[req.request_id] = Shadow(self.device, req.params.seed)
+        return self.shadows[req.request_id]
+
+    def _sync(self, req: Request, k: int) -> bool:
+        """Align the shadow with the request's tokens and give it blocks for k more; False = skip."""
+        shadow = self._shadow(req).seq
+        tokens = req.all_token_ids
+        valid = _common_prefix(shadow.prompt_token_ids, tokens, min(shadow.num_computed, len(tokens) - 1))
+        shadow.prompt_token_ids = list(tokens)
+        shadow.num_computed = valid
+        keep = self.blocks.blocks_for(valid)
+        self.blocks.release(shadow.block_ids[keep:])
+        del shadow.block_ids[keep:]
+        need = self.blocks.blocks_for(len(tokens) + k - 1) - len(shadow.block_ids)
+        fresh = self.blocks.allocate(need) if need > 0 else []
+        if fresh is None:  # drafter cache full: this request goes without drafts (and gives its cache back)
+            self.release(req)
+            self.stats["skipped_no_cache"] += 1
+            return False
+        shadow.block_ids.extend(fresh)
+        return True
+
+    def _catch_up(self, shadows: list[Shadow]) -> None:
+        """Feed all but the last uncomputed token of each shadow, in chunks of CATCH_UP_CHUNK tokens."""
+        while True:
+            seqs, budget = [], CATCH_UP_CHUNK
+            for s in shadows:
+                behind = len(s.seq.prompt_token_ids) - 1 - s.seq.num_computed
+                if behind > 0 and budget > 0:
+                    n = min(behind, budget)
+                    seqs.append(ScheduledSeq(s.seq, n, 0, samples=False))
+                    budget -= n
+            if not seqs:
+                return
+            self.runner.forward(seqs)
+            self.stats["draft_forwards"] += 1
+            for seq in seqs:
+                seq.request.num_computed += seq.num_new
+
+    def _feed(self, req: Request) -> ScheduledSeq:
+        shadow = self._shadow(req).seq
+        return ScheduledSeq(shadow, len(shadow.prompt_token_ids) - shadow.num_computed, 0, samples=True)
+
+    def _sample(self, req: Request, shadow: Shadow, logits: torch.Tensor) -> tuple[int, torch.Tensor | None]:
+        """One draft token and its distribution q [1, V_target] (None for greedy requests)."""
+        if req.params.greedy:
+            return int(logits.argmax(-1)), None
+        q = processed_probs(logits, req.params)  # [1, V_draft]
+        if q.shape[-1] < self.target_vocab:
+            q = torch.nn.functional.pad(q, (0, self.target_vocab - q.shape[-1]))
+        token = int(torch.multinomial(q, 1, generator=shadow.generator))
+        return token, q
+
+
+def _common_prefix(a: list[int], b: list[int], limit: int) -> int:
+    """Length of the common prefix of a and b, at most limit (checked from the tail: drafts diverge there)."""
+    n = min(limit, len(a), len(b))
+    start = max(0, n - 64)
+    if a[:start] != b[:start]:  # an earlier difference (never expected): recompute everything
+        return 0
+    i = start
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i

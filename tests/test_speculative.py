@@ -1,0 +1,180 @@
+"""Speculative decoding in the engine is lossless: greedy token for token, sampling in distribution."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from specdec import LLM, ConfigError, SamplingParams
+from specdec.speculate import SpecConfig
+from specdec.speculate.cost_model import KController, StepCostTable, expected_tokens
+from specdec.speculate.ngram import ngram_draft
+from tests.checkpoints import save_tiny
+from tests.stats import chi_square_p
+
+GREEDY = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def drafter_dir(tmp_path_factory):
+    """A different, smaller random model with the target's tokenizer."""
+    return save_tiny(tmp_path_factory.mktemp("drafter"), "qwen3", seed=7, num_hidden_layers=1)
+
+
+def mixed_prompts(n: int = 6, seed: int = 0) -> list[list[int]]:
+    """Prompts of mixed lengths with some repetition, so that n-gram lookup finds matches."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for length in torch.randint(3, 30, (n,), generator=g).tolist():
+        p = torch.randint(2, 96, (length,), generator=g).tolist()
+        out.append(p + p[: length // 2] + p)
+    return out
+
+
+@pytest.fixture(scope="module")
+def plain(llm):
+    return [o.token_ids for o in llm.generate(mixed_prompts(), GREEDY)]
+
+
+def spec_llm(model_dir, spec: SpecConfig, **kw) -> LLM:
+    kw.setdefault("kv_cache_tokens", 4096)
+    kw.setdefault("block_size", 4)
+    return LLM(model_dir, device="cpu", speculator=spec, **kw)
+
+
+@pytest.mark.parametrize("method,k", [("ngram", 1), ("ngram", 4), ("ngram", 8), ("draft", 1), ("draft", 3),
+                                      ("draft", 8)])
+def test_greedy_equals_plain(qwen3_dir, drafter_dir, plain, method, k):
+    model = str(drafter_dir) if method == "draft" else None
+    llm = spec_llm(qwen3_dir, SpecConfig(method, model=model, num_draft_tokens=k, adaptive=False))
+    assert [o.token_ids for o in llm.generate(mixed_prompts(), GREEDY)] == plain
+    assert llm.engine.metrics()["draft_tokens"] > 0
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_greedy_equals_plain_under_preemption_chunking_and_prefix_hits(qwen3_dir, drafter_dir, plain, method):
+    model = str(drafter_dir) if method == "draft" else None
+    spec = SpecConfig(method, model=model, num_draft_tokens=4, adaptive=False)
+    tight = spec_llm(qwen3_dir, spec, kv_cache_tokens=160, max_num_batched_tokens=24)
+    assert [o.token_ids for o in tight.generate(mixed_prompts(), GREEDY)] == plain
+    assert tight.engine.scheduler.num_preemptions > 0
+    again = tight.generate(mixed_prompts(), GREEDY)
+    assert [o.token_ids for o in again] == plain
+
+
+def test_identical_drafter_has_every_draft_accepted(qwen3_dir, plain):
+    llm = spec_llm(qwen3_dir, SpecConfig("draft", model=str(qwen3_dir), num_draft_tokens=5, adaptive=False))
+    outs = llm.generate(mixed_prompts(), GREEDY)
+    m = llm.engine.metrics()
+    assert [o.token_ids for o in outs] == plain
+    assert m["draft_tokens"] > 0 and m["accepted_tokens"] == m["draft_tokens"]
+    assert all(o.num_accepted == o.num_drafted for o in outs)
+
+
+def test_cost_model_can_switch_speculation_off(qwen3_dir, drafter_dir, plain):
+    llm = spec_llm(qwen3_dir, SpecConfig("draft", model=str(drafter_dir), num_draft_tokens=4, adaptive=False))
+    compute_bound = StepCostTable({1: 1.0, 2: 2.0})  # every extra token costs as much as the first
+    llm.engine.controller = KController(4, compute_bound, lambda b: 0.1, adaptive=True)
+    assert [o.token_ids for o in llm.generate(mixed_prompts(), GREEDY)] == plain
+    assert llm.engine.metrics()["draft_tokens"] == 0
+
+
+def test_controller_picks_k_by_expected_goodput():
+    flat = StepCostTable({1: 1.0, 4096: 1.0})
+    busy = StepCostTable({1: 1.0, 2: 2.0})
+    ctl = KController(8, flat, lambda b: 0.0)
+    assert ctl.choose(["a"], 0) == 8  # free verification: draft as much as allowed
+    ctl = KController(8, busy, lambda b: 0.0)
+    assert ctl.choose(["a"] * 64, 0) == 0  # compute-bound: speculation would only slow it down
+    ctl = KController(8, flat, lambda b: 0.5)
+    for _ in range(50):
+        ctl.acceptance.update("a", 4, 0)  # a request whose drafts are always rejected
+    assert ctl.choose(["a"], 0) == 0
+    assert expected_tokens(0.5, 3) == pytest.approx(1.875)
+
+
+def test_ngram_draft_finds_the_longest_recent_suffix_and_stops_at_eos():
+    assert ngram_draft([1, 2, 3, 4, 1, 2], 3) == [3, 4, 1]
+    assert ngram_draft([5, 1, 2, 9, 7, 1, 2, 3, 8, 1, 2, 3], 2) == [8, 1]  # suffix [1 2 3] beats [1 2]
+    assert ngram_draft([1, 2, 3], 4) == []
+    assert ngram_draft([1, 2, 0, 5, 6, 1, 2], 4, stop_ids={0}) == [0]
+
+
+def _token2_counts(llm, prompt, n):
+    params = SamplingParams(max_tokens=3, temperature=1.0, ignore_eos=True)
+    outs = llm.generate([prompt] * n, params)
+    return np.bincount([o.token_ids[1] for o in outs], minlength=96), outs
+
+
+def _exact_token2_marginal(model_dir, prompt):
+    """P(second generated token) = sum_t p(t | prompt) p(. | prompt, t), from transformers."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float64).eval()
+    with torch.no_grad():
+        p1 = model(torch.tensor([prompt])).logits[0, -1].softmax(-1)  # [V]
+        batch = torch.tensor([prompt + [t] for t in range(96)])
+        p2 = model(batch).logits[:, -1].softmax(-1)  # [V, V]
+    return (p1[:, None] * p2).sum(0).numpy()
+
+
+@pytest.fixture(scope="module")
+def sampled_draft_llm(qwen3_dir, drafter_dir):
+    return spec_llm(qwen3_dir, SpecConfig("draft", model=str(drafter_dir), num_draft_tokens=2, adaptive=False),
+                    max_num_seqs=512, kv_cache_tokens=16384)
+
+
+def test_sampled_tokens_follow_the_target_distribution(qwen3_dir, sampled_draft_llm):
+    prompt = [5, 17, 30, 2, 9]
+    counts, outs = _token2_counts(sampled_draft_llm, prompt, 4000)
+    assert sum(o.num_accepted for o in outs) > 300 and sum(o.num_drafted - o.num_accepted for o in outs) > 300
+    assert chi_square_p(counts, _exact_token2_marginal(qwen3_dir, prompt)) > 1e-3
+
+
+def test_negative_control_accept_everything_fails(qwen3_dir, sampled_draft_llm, monkeypatch):
+    """A verifier that keeps every draft emits the drafter's distribution; the same test must catch it."""
+    import specdec.engine.sampler as sampler
+
+    def accept_all(draft_ids, draft_probs, target_probs, generators=None):
+        bonus = torch.multinomial(target_probs[:, -1], 1)
+        return torch.cat([draft_ids, bonus], dim=1)
+
+    monkeypatch.setattr(sampler, "accept", accept_all)
+    prompt = [5, 17, 30, 2, 9]
+    counts, _ = _token2_counts(sampled_draft_llm, prompt, 4000)
+    assert chi_square_p(counts, _exact_token2_marginal(qwen3_dir, prompt)) < 1e-6
+
+
+def test_seeded_speculative_sampling_is_reproducible_whatever_the_batch(qwen3_dir, drafter_dir):
+    llm = spec_llm(qwen3_dir, SpecConfig("draft", model=str(drafter_dir), num_draft_tokens=3, adaptive=False))
+    params = SamplingParams(max_tokens=16, temperature=0.8, seed=42, ignore_eos=True)
+    alone = llm.generate([5, 6, 7], params)[0].token_ids
+    others = [SamplingParams(max_tokens=16, temperature=1.0, seed=s, ignore_eos=True) for s in range(3)]
+    batch = llm.generate([[9, 9, 9, 9], [5, 6, 7], [1, 2]], [others[0], params, others[1]])
+    assert batch[1].token_ids == alone
+
+
+def test_mismatched_drafters_and_bad_k_are_refused(qwen3_dir, tmp_path):
+    with pytest.raises(ConfigError, match="num_draft_tokens"):
+        SpecConfig("ngram", num_draft_tokens=0)
+    with pytest.raises(ConfigError, match="num_draft_tokens"):
+        SpecConfig("ngram", num_draft_tokens=1000)
+    with pytest.raises(ConfigError, match="drafter model"):
+        SpecConfig("draft")
+    with pytest.raises(ConfigError, match="unknown speculator"):
+        SpecConfig("medusa")
+    other_vocab = save_tiny(tmp_path / "v", "qwen3", vocab_size=128)
+    shutil.copy(qwen3_dir / "tokenizer.json", other_vocab / "tokenizer.json")
+    with pytest.raises(ConfigError, match="vocabulary"):
+        spec_llm(qwen3_dir, SpecConfig("draft", model=str(other_vocab)))
+    other_tok = shutil.copytree(qwen3_dir, tmp_path / "t")
+    tok = json.loads((other_tok / "tokenizer.json").read_text())
+    vocab = tok["model"]["vocab"]
+    vocab["A"], vocab["B"] = vocab["B"], vocab["A"]
+    (other_tok / "tokenizer.json").write_text(json.dumps(tok))
+    with pytest.raises(ConfigError, match="different tokenizer"):
+        spec_llm(qwen3_dir, SpecConfig("draft", model=str(other_tok)))
