@@ -126,3 +126,10 @@ def test_text_prompts_and_chat_template(llm):
     assert out[0].prompt_token_ids == llm.tokenizer.encode("hello")
     chat = llm.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])
     assert chat == "<user>hi\n<assistant>"
+
+
+def test_fixed_shape_decode_steps_keep_outputs(qwen3_dir, alone):
+    """The padded (CUDA-graph-shaped) decode path gives the same tokens; CPU runs it eagerly."""
+    llm = LLM(qwen3_dir, device="cpu", kv_cache_tokens=2048, block_size=4, static_shapes=True, max_graph_batch=8)
+    assert [o.token_ids for o in llm.generate(prompts(6), GREEDY)] == alone
+    assert llm.engine.runner.static is not None

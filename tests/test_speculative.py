@@ -178,3 +178,15 @@ def test_mismatched_drafters_and_bad_k_are_refused(qwen3_dir, tmp_path):
     (other_tok / "tokenizer.json").write_text(json.dumps(tok))
     with pytest.raises(ConfigError, match="different tokenizer"):
         spec_llm(qwen3_dir, SpecConfig("draft", model=str(other_tok)))
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_fixed_shape_verify_steps_keep_outputs(qwen3_dir, drafter_dir, plain, method):
+    model = str(drafter_dir) if method == "draft" else None
+    llm = spec_llm(qwen3_dir, SpecConfig(method, model=model, num_draft_tokens=3, adaptive=False),
+                   static_shapes=True, max_graph_batch=8)
+    calls = []
+    run = llm.engine.runner.static.run
+    llm.engine.runner.static.run = lambda seqs: calls.append(seqs[0].num_new) or run(seqs)
+    assert [o.token_ids for o in llm.generate(mixed_prompts(), GREEDY)] == plain
+    assert any(q > 1 for q in calls)  # verify steps took the fixed-shape path

@@ -25,6 +25,10 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 256
     max_model_len: int | None = None  # default: the model's max_position_embeddings
+    static_shapes: bool | None = None  # pad decode/verify steps to fixed shapes (default: on GPU only)
+    cuda_graphs: bool = True  # capture fixed-shape steps as CUDA graphs (GPU only)
+    max_graph_batch: int = 256
+    max_graph_context: int = 8192
 
     def validate(self) -> None:
         if self.block_size <= 0:
@@ -54,7 +58,7 @@ class Engine:
         self.kv_cache = KVCache(mc, num_blocks, config.block_size, self.device, dtype)
         self.blocks = BlockManager(num_blocks, config.block_size)
         self.scheduler = Scheduler(self.blocks, config.max_num_batched_tokens, config.max_num_seqs)
-        self.runner = ModelRunner(model, self.kv_cache, self.device)
+        self.runner = ModelRunner(model, self.kv_cache, self.device, self._static_runner())
         self.eos_token_ids = eos_token_ids
         self.speculator = speculator
         self.controller = None  # speculate.cost_model.KController: how many drafts this step
@@ -62,6 +66,17 @@ class Engine:
         self.stats = {"steps": 0, "tokens_fed": 0, "tokens_emitted": 0, "drafts": 0, "draft_tokens": 0,
                       "accepted_tokens": 0, "verify_steps": 0}
         self.accepted_per_position = [0] * 33  # [j]: drafts accepted at position j (0-based)
+
+    def _static_runner(self):
+        from specdec.engine.static_runner import StaticRunner
+
+        use = self.config.static_shapes if self.config.static_shapes is not None else self.device.type == "cuda"
+        if not use:
+            return None
+        return StaticRunner(self.model, self.kv_cache, self.device, min(self.config.max_graph_batch,
+                            self.config.max_num_seqs), max_q=33,
+                            max_context=min(self.config.max_graph_context, self.max_model_len),
+                            capture=self.config.cuda_graphs)
 
     @property
     def capacity_tokens(self) -> int:

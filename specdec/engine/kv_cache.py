@@ -89,13 +89,18 @@ class BlockManager:
 
 
 class KVCache:
-    """Per layer a key and a value tensor of shape [num_blocks * block_size, n_kv_heads, head_dim]."""
+    """Per layer a key and a value tensor of shape [(num_blocks + 1) * block_size, n_kv_heads, head_dim].
+
+    Block `num_blocks` (the last) is scratch, never handed out: padding rows of fixed-shape (CUDA graph)
+    batches write and read there.
+    """
 
     def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, device: torch.device,
                  dtype: torch.dtype):
         self.num_blocks = num_blocks
         self.block_size = block_size
-        shape = (num_blocks * block_size, config.num_key_value_heads, config.head_dim)
+        self.scratch_block = num_blocks
+        shape = ((num_blocks + 1) * block_size, config.num_key_value_heads, config.head_dim)
         self.layers = [(torch.zeros(shape, device=device, dtype=dtype), torch.zeros(shape, device=device, dtype=dtype))
                        for _ in range(config.num_hidden_layers)]
 

@@ -11,11 +11,12 @@ from specdec.models.transformer import CausalLM
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, kv_cache: KVCache, device: torch.device):
+    def __init__(self, model: CausalLM, kv_cache: KVCache, device: torch.device, static=None):
         self.model = model
         self.kv_cache = kv_cache
         self.device = device
         self.block_size = kv_cache.block_size
+        self.static = static  # StaticRunner for uniform decode/verify steps (CUDA graphs on GPU), or None
 
     @torch.inference_mode()
     def forward(self, seqs: list[ScheduledSeq]) -> list[torch.Tensor]:
@@ -24,6 +25,8 @@ class ModelRunner:
         For a sampling sequence the rows are the target's predictions after its last committed token
         and after each of its drafts: row j scores draft j, the last row gives the bonus token.
         """
+        if self.static is not None and self.static.can_run(seqs):
+            return self.static.run(seqs)
         ids, positions, slots, starts, ctx, logits_rows, counts = [], [], [], [0], [], [], []
         for seq in seqs:
             req = seq.request

@@ -15,9 +15,9 @@ from specdec.sampling import processed_probs
 from specdec.verify import accept
 
 
-def greedy_accept(drafts: list[int], logits: torch.Tensor) -> list[int]:
-    """logits [k+1, V] -> accepted drafts + the argmax after them."""
-    best = logits.argmax(-1).tolist()  # [k+1]
+def greedy_accept(drafts: list[int], best: list[int]) -> list[int]:
+    """drafts [k], best [k+1] (the target's argmax after the last token and after each draft)
+    -> accepted drafts + the argmax after them."""
     n = 0
     while n < len(drafts) and drafts[n] == best[n]:
         n += 1
@@ -27,15 +27,16 @@ def greedy_accept(drafts: list[int], logits: torch.Tensor) -> list[int]:
 def sample_tokens(seqs: list[ScheduledSeq], logits: list[torch.Tensor]) -> list[list[int]]:
     """For each sequence that samples, the tokens it emits this step (accepted drafts + one)."""
     out: list[list[int]] = [[] for _ in seqs]
-    stochastic = []
-    for i, (seq, rows) in enumerate(zip(seqs, logits)):
-        if not seq.samples:
-            continue
-        drafts = seq.request.draft_token_ids[:seq.num_drafts]
-        if seq.request.params.greedy:
-            out[i] = greedy_accept(drafts, rows)
-        else:
-            stochastic.append(i)
+    greedy = [i for i, s in enumerate(seqs) if s.samples and s.request.params.greedy]
+    stochastic = [i for i, s in enumerate(seqs) if s.samples and not s.request.params.greedy]
+    if greedy:  # one argmax and one device->host copy for the whole batch
+        best = torch.cat([logits[i] for i in greedy]).argmax(-1).tolist()
+        offset = 0
+        for i in greedy:
+            seq = seqs[i]
+            rows = 1 + seq.num_drafts
+            out[i] = greedy_accept(seq.request.draft_token_ids[:seq.num_drafts], best[offset:offset + rows])
+            offset += rows
     if stochastic:
         for i, tokens in zip(stochastic, _verify_stochastic([seqs[i] for i in stochastic],
                                                             [logits[i] for i in stochastic])):

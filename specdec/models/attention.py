@@ -26,6 +26,7 @@ class AttentionBatch:
     slot_mapping: torch.Tensor  # [T] long: flat cache slot of each new token's key/value
     max_query_len: int
     max_context_len: int
+    uniform: bool = False  # every sequence has exactly max_query_len queries (no host sync to unpad)
     # Derived index tensors for the gathered-SDPA path (built once per step, shared by all layers).
     query_index: torch.Tensor | None = None  # [B, max_q] flat row of each padded query (0 for padding)
     query_valid: torch.Tensor | None = None  # [B, max_q] bool
@@ -72,4 +73,6 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     out = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=batch.mask, scale=scale,
                                          enable_gqa=kp.shape[1] != num_heads)  # [B, H, max_q, D]
     out = out.transpose(1, 2)  # [B, max_q, H, D]
+    if batch.uniform:  # rows are already in flat order; boolean indexing would sync (and break graphs)
+        return out.reshape(-1, num_heads, head_dim)
     return out[batch.query_valid].reshape(-1, num_heads, head_dim)

@@ -74,10 +74,7 @@ def load_model(model_dir: str | Path, device: str | torch.device = "cpu",
     model.load_state_dict(state, strict=False, assign=True)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
-    rotary = Rotary(config, config.max_position_embeddings).to(device)
-    model.rotary = rotary
-    for layer in model.model.layers:
-        layer.self_attn._rotary[0] = rotary
+    _attach_rotary(model, config, device)
     return model.eval().requires_grad_(False)
 
 
@@ -100,3 +97,31 @@ def _check_shapes(model: CausalLM, state: dict, model_dir: Path) -> None:
         if name in state and tuple(state[name].shape) != tuple(tensor.shape):
             raise ModelLoadError(f"{model_dir}: weight {name} has shape {tuple(state[name].shape)}, "
                                  f"config.json implies {tuple(tensor.shape)}")
+
+
+@torch.no_grad()
+def random_model(config: ModelConfig, device: str | torch.device, dtype: torch.dtype, seed: int = 0,
+                 std: float = 0.02) -> CausalLM:
+    """A CausalLM with random weights made directly on `device` (benchmarks at real model shapes)."""
+    device = torch.device(device)
+    with torch.device("meta"):
+        model = CausalLM(config)
+    model.to_empty(device=device)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight"):
+            p.fill_(1.0)
+        else:
+            p.normal_(0.0, std, generator=gen)
+    model.to(dtype)
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    _attach_rotary(model, config, device)
+    return model.eval().requires_grad_(False)
+
+
+def _attach_rotary(model: CausalLM, config: ModelConfig, device: torch.device) -> None:
+    rotary = Rotary(config, config.max_position_embeddings).to(device)
+    model.rotary = rotary
+    for layer in model.model.layers:
+        layer.self_attn._rotary[0] = rotary

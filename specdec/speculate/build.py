@@ -31,7 +31,7 @@ def build_speculator(config: SpecConfig, llm) -> tuple[Speculator, KController]:
     else:
         from specdec.speculate.remote import RemoteSpeculator
 
-        spec = RemoteSpeculator(config.url, timeout_s=config.timeout_s)
+        spec = RemoteSpeculator(config.url, timeout_s=config.timeout_s, vocab_size=llm.model.config.vocab_size)
     target_cost = draft_cost = None
     if config.adaptive:
         target_cost = measure_target_cost(engine.model, engine.blocks, engine.kv_cache, engine.device,
@@ -62,7 +62,9 @@ def _draft_speculator(config: SpecConfig, llm):
         free, _ = torch.cuda.mem_get_info(llm.device)
         fits = int(free * 0.8) // KVCache.bytes_per_token(drafter.config, drafter.lm_head.weight.dtype)
         tokens = min(tokens, fits)
-    return DraftModelSpeculator(drafter, llm.model.config.vocab_size, tokens, llm.engine.config.block_size)
+    static = llm.engine.runner.static is not None
+    return DraftModelSpeculator(drafter, llm.model.config.vocab_size, tokens, llm.engine.config.block_size,
+                                static_shapes=static, max_batch=llm.engine.config.max_num_seqs)
 
 
 def check_same_tokenizer(target_dir: Path, draft_dir: Path) -> None:

@@ -38,15 +38,22 @@ class DraftModelSpeculator(Speculator):
     name = "draft"
     has_draft_model = True
 
-    def __init__(self, model: CausalLM, target_vocab: int, kv_cache_tokens: int, block_size: int = 16):
+    def __init__(self, model: CausalLM, target_vocab: int, kv_cache_tokens: int, block_size: int = 16,
+                 static_shapes: bool = False, max_batch: int = 256):
         self.model = model
         self.device = model.lm_head.weight.device
         self.target_vocab = target_vocab
+        self.max_positions = model.config.max_position_embeddings
         num_blocks = max(1, kv_cache_tokens // block_size)
         self.kv = KVCache(model.config, num_blocks, block_size, self.device, model.lm_head.weight.dtype)
         self.blocks = BlockManager(num_blocks, block_size)
-        self.runner = ModelRunner(model, self.kv, self.device)
-        self.max_positions = model.config.max_position_embeddings
+        static = None
+        if static_shapes:  # CUDA graphs for the chained one-token steps (and short catch-ups)
+            from specdec.engine.static_runner import StaticRunner
+
+            static = StaticRunner(model, self.kv, self.device, max_batch, max_q=33,
+                                  max_context=min(8192, self.max_positions), capture=True)
+        self.runner = ModelRunner(model, self.kv, self.device, static)
         self.shadows: dict[str, Shadow] = {}
         self.stats = {"draft_forwards": 0, "skipped_no_cache": 0}
 

@@ -1,0 +1,197 @@
+#!/usr/bin/env python3
+"""Plain decoding at 8B scale on one GPU: step time against the memory floor, batch scaling, prefill,
+the verify-step cost model, and transformers' static-cache generate on the same weights.
+
+GPU run:      python3 bench/decode.py --out bench/results/decode-h200.json
+CPU dry run:  python3 bench/decode.py --tiny --out /tmp/decode.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+import torch  # noqa: E402
+
+from bench.common import copy_bandwidth_gbs, environment, sync, timed, write_json  # noqa: E402
+from specdec.engine.engine import Engine, EngineConfig  # noqa: E402
+from specdec.engine.scheduler import ScheduledSeq  # noqa: E402
+from specdec.models.config import ModelConfig  # noqa: E402
+from specdec.models.loader import random_model  # noqa: E402
+from specdec.sampling import SamplingParams  # noqa: E402
+
+QWEN3_8B = {"architectures": ["Qwen3ForCausalLM"], "hidden_size": 4096, "intermediate_size": 12288,
+            "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+            "vocab_size": 151936, "max_position_embeddings": 40960, "rope_theta": 1000000.0,
+            "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "eos_token_id": 151645}
+TINY = dict(QWEN3_8B, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, vocab_size=512, max_position_embeddings=8192, eos_token_id=1)
+
+
+def weight_bytes(model) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def make_engine(model, batch: int, context: int, kv_tokens: int) -> Engine:
+    config = EngineConfig(kv_cache_tokens=kv_tokens, max_num_seqs=max(batch, 1), max_num_batched_tokens=8192,
+                          max_graph_batch=max(batch, 1), max_graph_context=context + 1024)
+    return Engine(model, config)
+
+
+def start_requests(engine: Engine, batch: int, context: int, vocab: int, gen: torch.Generator) -> float:
+    """Admit `batch` requests whose prompts share all but their last 16 tokens (prefix cache: one prefill).
+
+    Returns the prefill throughput (tokens/s) of the shared prompt's first request.
+    """
+    shared = torch.randint(0, vocab, (context - 16,), generator=gen).tolist()
+    params = SamplingParams(max_tokens=100000, temperature=0, ignore_eos=True)
+    first = engine.add_request(shared + torch.randint(0, vocab, (16,), generator=gen).tolist(), params)
+    sync(engine.device)
+    t0 = time.perf_counter()
+    while first.num_computed < first.num_tokens - 1 or not first.output_token_ids:
+        engine.step()
+    sync(engine.device)
+    prefill_tok_s = context / (time.perf_counter() - t0)
+    for _ in range(batch - 1):
+        engine.add_request(shared + torch.randint(0, vocab, (16,), generator=gen).tolist(), params)
+    while engine.scheduler.waiting or any(r.is_prefilling for r in engine.scheduler.running):
+        engine.step()
+    return prefill_tok_s
+
+
+def decode_step_ms(engine: Engine, steps: int) -> float:
+    for _ in range(3):  # capture / warm up this shape
+        engine.step()
+    sync(engine.device)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    sync(engine.device)
+    return (time.perf_counter() - t0) / steps * 1e3
+
+
+def verify_cost_ms(engine: Engine, k: int, vocab: int) -> float:
+    """Time of one target forward with k drafts per running request (q = k + 1 tokens each)."""
+    reqs = list(engine.scheduler.running)
+    gen = torch.Generator().manual_seed(k)
+    seqs = []
+    for req in reqs:
+        req.draft_token_ids = torch.randint(0, vocab, (k,), generator=gen).tolist()
+        engine.scheduler._grow(req, req.num_computed + 1 + k)
+        seqs.append(ScheduledSeq(req, 1 + k, k, samples=True))
+    ms = timed(lambda: engine.runner.forward(seqs), engine.device, repeats=10, warmup=2) * 1e3
+    for req in reqs:
+        req.draft_token_ids = []
+    return ms
+
+
+def check_against_transformers(model, config_dict: dict, device, vocab: int) -> dict:
+    """bf16 logits of our engine vs transformers on the same weights; and transformers' static-cache speed."""
+    import transformers
+
+    cfg = transformers.Qwen3Config(**{k: v for k, v in config_dict.items() if k != "architectures"})
+    with torch.device("meta"):
+        hf = transformers.Qwen3ForCausalLM(cfg)
+    hf.load_state_dict({k: v for k, v in model.state_dict().items()}, assign=True, strict=False)
+    with torch.device(device):
+        hf.model.rotary_emb = type(hf.model.rotary_emb)(config=cfg)
+    hf = hf.eval()
+    ids = torch.randint(0, vocab, (1, 64), generator=torch.Generator().manual_seed(0))
+    engine = Engine(model, EngineConfig(kv_cache_tokens=4096, max_num_seqs=4))
+    ours = engine.all_logits(ids[0].tolist()).float()
+    with torch.no_grad():
+        ref = hf(ids.to(device)).logits[0].float()
+    scale = ref.abs().max().item()
+    out = {"hf_logits_max_abs_diff": (ours - ref).abs().max().item(), "hf_logits_max_abs": scale,
+           "hf_argmax_agreement": (ours.argmax(-1) == ref.argmax(-1)).float().mean().item()}
+    new = 128
+    for _ in range(2):
+        sync(device)
+        t0 = time.perf_counter()
+        hf.generate(ids.to(device), max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                    cache_implementation="static", pad_token_id=0)
+        sync(device)
+        seconds = time.perf_counter() - t0
+    out["hf_static_tok_s_bs1"] = new / seconds
+    del hf
+    return out
+
+
+def check_graph_replay(engine: Engine) -> float:
+    """Max |logits| difference between a CUDA-graph replay and the same padded step run eagerly."""
+    static = engine.runner.static
+    seqs = [ScheduledSeq(r, 1, 0, samples=True) for r in engine.scheduler.running]
+    replay = torch.cat(static.run(seqs)).float()
+    q = 1
+    batch = 1 << max(0, len(seqs) - 1).bit_length()
+    ctx = max(s.request.num_computed + q for s in seqs)
+    context = 1 << max(0, max(ctx, 256) - 1).bit_length()
+    eager = static._eager(batch, q, context)[:len(seqs)].float()
+    return (replay - eager).abs().max().item()
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default="bench/results/decode-h200.json")
+    parser.add_argument("--tiny", action="store_true", help="a tiny model on CPU: a dry run of every stage")
+    parser.add_argument("--batches", default="1,8,32,128")
+    parser.add_argument("--contexts", default="512,4096")
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--max-k", type=int, default=16)
+    args = parser.parse_args(argv)
+    device = torch.device("cpu" if args.tiny else "cuda")
+    config_dict = TINY if args.tiny else QWEN3_8B
+    dtype = torch.float32 if args.tiny else torch.bfloat16
+    batches = [int(b) for b in args.batches.split(",")]
+    contexts = [int(c) for c in args.contexts.split(",")]
+    results: dict = {"env": environment(device), "model": config_dict, "dtype": str(dtype)}
+    t_start = time.perf_counter()
+
+    bw = copy_bandwidth_gbs(device, 0.25 if args.tiny else 4.0)
+    model = random_model(ModelConfig.from_dict(config_dict), device, dtype)
+    wbytes = weight_bytes(model)
+    results.update(copy_bandwidth_gbs=bw, weight_bytes=wbytes, floor_ms_bs1=wbytes / (bw * 1e9) * 1e3)
+    print(f"copy bandwidth {bw:.0f} GB/s, weights {wbytes / 1e9:.2f} GB, floor {results['floor_ms_bs1']:.3f} ms")
+    results.update(check_against_transformers(model, config_dict, device, config_dict["vocab_size"]))
+    print({k: v for k, v in results.items() if k.startswith("hf_")})
+
+    table, verify, gen = [], [], torch.Generator().manual_seed(0)
+    for context in contexts:
+        for batch in batches:
+            kv_tokens = batch * 64 + context + 64 * (args.max_k + 2) * batch
+            engine = make_engine(model, batch, context, kv_tokens)
+            prefill = start_requests(engine, batch, context, config_dict["vocab_size"], gen)
+            ms = decode_step_ms(engine, args.steps)
+            row = {"batch": batch, "context": context, "step_ms": ms, "tok_s": batch * 1e3 / ms,
+                   "prefill_tok_s": prefill}
+            if engine.runner.static is not None and engine.runner.static.capture:
+                row["graph_vs_eager_max_abs_diff"] = check_graph_replay(engine)
+            if context == contexts[0] and batch in (1, 8, 32):
+                one = verify_cost_ms(engine, 0, config_dict["vocab_size"])
+                for k in range(args.max_k + 1):
+                    ms_k = verify_cost_ms(engine, k, config_dict["vocab_size"])
+                    verify.append({"batch": batch, "k": k, "forward_ms": ms_k, "relative": ms_k / one})
+            table.append(row)
+            print(row, flush=True)
+            del engine
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    results["decode"] = table
+    results["verify_cost"] = verify
+    bs1 = next(r for r in table if r["batch"] == 1 and r["context"] == contexts[0])
+    results["step_ms_bs1"] = bs1["step_ms"]
+    results["floor_fraction_bs1"] = results["floor_ms_bs1"] / bs1["step_ms"]
+    results["wall_s"] = time.perf_counter() - t_start
+    write_json(args.out, results)
+    print(f"bs1: {bs1['step_ms']:.3f} ms/step = {1e3 / bs1['step_ms']:.0f} tok/s; floor {results['floor_ms_bs1']:.3f} ms "
+          f"({results['floor_fraction_bs1']:.0%} of floor); transformers static {results['hf_static_tok_s_bs1']:.0f} tok/s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
