@@ -75,12 +75,13 @@ class DraftModelSpeculator(Speculator):
         for i in range(max(k for _, k in active)):
             step = [(r, k) for r, k in step if k > i]
             seqs = [self._feed(r) for r, _ in step]
-            logits = self.runner.forward(seqs)  # per seq [1, V_draft]
+            logits = [rows[-1:] for rows in self.runner.forward(seqs)]  # per seq [1, V_draft]
             self.stats["draft_forwards"] += 1
-            for (req, _), seq, rows in zip(step, seqs, logits):
+            greedy = self._batched_argmax(step, logits)
+            for j, ((req, _), seq) in enumerate(zip(step, seqs)):
                 shadow = self._shadow(req)
                 shadow.seq.num_computed += seq.num_new
-                token, q = self._sample(req, shadow, rows[-1:])
+                token, q = (greedy[j], None) if req.params.greedy else self._sample(req, shadow, logits[j])
                 req.draft_token_ids.append(token)
                 probs[req.request_id].append(q)
                 shadow.seq.prompt_token_ids.append(token)  # fed at the next drafter step (if any)
@@ -145,10 +146,18 @@ class DraftModelSpeculator(Speculator):
         shadow = self._shadow(req).seq
         return ScheduledSeq(shadow, len(shadow.prompt_token_ids) - shadow.num_computed, 0, samples=True)
 
-    def _sample(self, req: Request, shadow: Shadow, logits: torch.Tensor) -> tuple[int, torch.Tensor | None]:
-        """One draft token and its distribution q [1, V_target] (None for greedy requests)."""
-        if req.params.greedy:
-            return int(logits.argmax(-1)), None
+    @staticmethod
+    def _batched_argmax(step, logits: list[torch.Tensor]) -> list[int | None]:
+        """The argmax of every greedy request's row, with one device->host copy; None for the others."""
+        rows = [i for i, (req, _) in enumerate(step) if req.params.greedy]
+        out: list[int | None] = [None] * len(step)
+        if rows:
+            for i, t in zip(rows, torch.cat([logits[i] for i in rows]).argmax(-1).tolist()):
+                out[i] = t
+        return out
+
+    def _sample(self, req: Request, shadow: Shadow, logits: torch.Tensor) -> tuple[int, torch.Tensor]:
+        """One sampled draft token and its distribution q [1, V_target]."""
         q = processed_probs(logits, req.params)  # [1, V_draft]
         if q.shape[-1] < self.target_vocab:
             q = torch.nn.functional.pad(q, (0, self.target_vocab - q.shape[-1]))
