@@ -7,6 +7,8 @@ import json
 import sys
 
 from specdec.errors import SpecdecError
+from specdec.server.cli import add_serve_parser
+from specdec.train.cli import add_train_parser
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -17,12 +19,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--twin", default=None,
+                        help="run the model as a scaled twin of a larger shape (qwen3-8b, qwen3-1.7b, qwen3-0.6b)")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
     return dict(device=args.device, dtype=args.dtype, kv_cache_tokens=args.kv_cache_tokens,
                 block_size=args.block_size, max_num_seqs=args.max_num_seqs,
-                max_num_batched_tokens=args.max_num_batched_tokens)
+                max_num_batched_tokens=args.max_num_batched_tokens, twin=args.twin)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -37,6 +41,26 @@ def cmd_generate(args: argparse.Namespace) -> int:
             print(json.dumps({"text": out.text, "token_ids": out.token_ids, "finish_reason": out.finish_reason}))
         else:
             print(out.text)
+    return 0
+
+
+def cmd_twin(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from specdec.assets import resolve_model
+    from specdec.models.loader import load_model
+    from specdec.models.twin import make_twin, save_twin
+
+    shape = args.shape
+    if shape.endswith(".json"):
+        keys = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "head_dim", "vocab_size", "tie_word_embeddings")
+        raw = json.loads(Path(shape).read_text())
+        shape = {k: raw[k] for k in keys if k in raw}
+    source = resolve_model(args.model)
+    twin = make_twin(load_model(source, "cpu"), shape, noise=args.noise)
+    save_twin(twin, source, args.out)
+    print(f"wrote {args.out}: {sum(p.numel() for p in twin.parameters()) / 1e6:.1f}M parameters")
     return 0
 
 
@@ -56,6 +80,14 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true", help="one JSON object per completion")
     add_engine_args(gen)
     gen.set_defaults(func=cmd_generate)
+    add_serve_parser(sub)
+    add_train_parser(sub)
+    twin = sub.add_parser("twin", help="write a scaled twin: a model padded to a larger shape, same function")
+    twin.add_argument("model", help="model directory or short name (ref-target)")
+    twin.add_argument("--shape", required=True, help="qwen3-8b, qwen3-1.7b, qwen3-0.6b, or a config.json with the shape")
+    twin.add_argument("--out", required=True)
+    twin.add_argument("--noise", type=float, default=0.0, help="std of the padding (1e-6 for benchmark twins)")
+    twin.set_defaults(func=cmd_twin)
     return parser
 
 

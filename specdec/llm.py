@@ -52,7 +52,7 @@ def parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
 class LLM:
     def __init__(self, model: str | Path, device: str | torch.device | None = None,
                  dtype: str | torch.dtype | None = None, kv_cache_tokens: int | None = None,
-                 speculator=None, **engine_options):
+                 speculator=None, twin: str | dict | None = None, **engine_options):
         from specdec.assets import resolve_model
 
         try:
@@ -61,6 +61,10 @@ class LLM:
             raise ModelLoadError(str(exc)) from exc
         self.device = pick_device(device)
         self.model = load_model(self.model_dir, self.device, parse_dtype(dtype))
+        if twin is not None:  # the same function at a large model's shapes (specdec.models.twin)
+            from specdec.models.twin import make_twin
+
+            self.model = make_twin(self.model, twin, noise=1e-6 if self.device.type == "cuda" else 0.0)
         self.tokenizer = Tokenizer(self.model_dir) if (self.model_dir / "tokenizer.json").is_file() else None
         self.eos_token_ids = eos_token_ids(self.model_dir, self.model.config.eos_token_ids)
         config = EngineConfig(kv_cache_tokens=kv_cache_tokens, **engine_options)

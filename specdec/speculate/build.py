@@ -22,6 +22,9 @@ from specdec.speculate.cost_model import KController, StepCostTable, measure_for
 from specdec.speculate.ngram import NgramSpeculator
 
 
+CALIBRATION_MAX_TOKENS = 512  # cost-table points up to this many tokens; beyond, cost grows in proportion
+
+
 def build_speculator(config: SpecConfig, llm) -> tuple[Speculator, KController]:
     engine = llm.engine
     if config.method == "ngram":
@@ -35,10 +38,10 @@ def build_speculator(config: SpecConfig, llm) -> tuple[Speculator, KController]:
     target_cost = draft_cost = None
     if config.adaptive:
         target_cost = measure_target_cost(engine.model, engine.blocks, engine.kv_cache, engine.device,
-                                          engine.config.max_num_batched_tokens)
+                                          min(engine.config.max_num_batched_tokens, CALIBRATION_MAX_TOKENS))
         if spec.has_draft_model:
             draft_cost = measure_target_cost(spec.model, spec.blocks, spec.kv, spec.device,
-                                             min(engine.config.max_num_seqs, 256))
+                                             min(engine.config.max_num_seqs, CALIBRATION_MAX_TOKENS))
     return spec, KController(config.num_draft_tokens, target_cost, draft_cost, config.adaptive)
 
 
@@ -52,6 +55,10 @@ def _draft_speculator(config: SpecConfig, llm):
         raise ConfigError(f"drafter: {exc}") from exc
     check_same_tokenizer(llm.model_dir, draft_dir)
     drafter = load_model(draft_dir, llm.device, llm.model.lm_head.weight.dtype)
+    if config.draft_twin:
+        from specdec.models.twin import make_twin
+
+        drafter = make_twin(drafter, config.draft_twin, noise=1e-6 if llm.device.type == "cuda" else 0.0)
     if drafter.config.vocab_size != llm.model.config.vocab_size:
         raise ConfigError(f"drafter {draft_dir} has a vocabulary of {drafter.config.vocab_size} tokens, the target "
                           f"{llm.model.config.vocab_size}: a drafter must share the target's tokenizer and vocabulary")

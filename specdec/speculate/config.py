@@ -22,6 +22,7 @@ class SpecConfig:
     ngram_min: int = 1  # ngram: shortest suffix to match
     draft_kv_cache_tokens: int | None = None  # draft: drafter KV size (default: the target's)
     timeout_s: float = 2.0  # remote: per-request timeout before falling back to no drafts
+    draft_twin: str | None = None  # draft: run the drafter as a scaled twin of this shape (specdec.models.twin)
 
     def __post_init__(self):
         self.validate()
@@ -48,10 +49,11 @@ def add_spec_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--num-draft-tokens", type=int, default=4, help="k: most drafts per request per step")
     group.add_argument("--draft-url", default=None, help="base URL of a /draft server (remote)")
     group.add_argument("--fixed-k", action="store_true", help="always draft k tokens (no cost-model choice of k)")
+    group.add_argument("--draft-twin", default=None, help="run the drafter as a scaled twin: qwen3-0.6b, ...")
 
 
 def spec_config_from_args(args: argparse.Namespace) -> SpecConfig | None:
     if args.speculator is None:
         return None
     return SpecConfig(method=args.speculator, model=args.draft_model, num_draft_tokens=args.num_draft_tokens,
-                      url=args.draft_url, adaptive=not args.fixed_k)
+                      url=args.draft_url, adaptive=not args.fixed_k, draft_twin=args.draft_twin)

@@ -1,0 +1,282 @@
+"""Scaled twins: a small trained model padded to a large model's exact shapes, computing the same function.
+
+The twin has the large model's memory traffic, kernels and KV cache (its step cost is real) while its
+outputs are the small model's (its acceptance is real).  Construction, for a small Qwen3 model with
+hidden size h, head size d, q/kv heads Q/K, MLP width m, L layers and vocabulary V padded to H, D, Q', K',
+M, L', V' (see docs/TWINS.md for the derivation):
+
+- residual stream: the small model's h dimensions come first; dimension h carries a small constant c
+  (from the embedding, never written by any layer); every other padded dimension stays zero.
+- RMSNorm over H instead of h scales the real dimensions by sqrt(H/h): the twin's norm weights are the
+  small ones times sqrt(h/H) (c adds c^2/S ~ 1e-6 relative to the mean square, below float32 noise).
+- heads: small q head j of kv group g is twin head g*(Q'/K') + j % (Q/K); kv group g stays g.
+  Head dimension i maps to s*i in each rotary half (s = D/d), which keeps RoPE frequencies
+  (theta^(-2si/D) = theta^(-2i/d)); q_norm keeps its weights and k_norm's are scaled by sqrt(d/D) so
+  that q.k / sqrt(D) equals the small model's q.k / sqrt(d).
+- extra heads, MLP neurons and layers read anything but write nothing: their output-projection
+  columns (o_proj, down_proj) are zero, so extra layers are identity blocks.
+- padded vocabulary: the final norm maps dimension h to w_p c / rms > 0 and padded tokens' output
+  rows are -u e_h, a logit below every real one by a calibrated margin (probability < 1e-9).
+
+`noise` fills every structurally-zero weight with N(0, noise^2) instead: a zero matrix can run faster
+than a dense one when compute-bound, so benchmark twins use noise ~1e-6 to cost what real weights cost.
+Exactly-zero entries that keep the function (output rows of the constant dimension, extra layers'
+output projections) stay zero.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+
+from specdec.errors import ConfigError
+from specdec.models.config import ModelConfig
+from specdec.models.loader import _attach_rotary
+from specdec.models.transformer import CausalLM
+
+SHAPES = {  # the public Qwen3 configurations' shapes
+    "qwen3-8b": dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+                     num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=False),
+    "qwen3-1.7b": dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
+                       num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True),
+    "qwen3-0.6b": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
+                       num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True),
+}
+LOGIT_MARGIN = 60.0  # padded-vocabulary logits sit at least this far below the real ones
+CONSTANT_SCALE = 1e-3  # c relative to the smallest embedding norm
+
+
+def twin_config(small: ModelConfig, shape: dict) -> ModelConfig:
+    big = dataclasses.replace(small, **shape)
+    # RMSNorm over H dims of which h are real: mean square shrinks by h/H, so eps shrinks with it
+    # (exact for the hidden norms; q/k norms shrink by d/D and keep a relative eps error below 1e-5)
+    big = dataclasses.replace(big, rms_norm_eps=small.rms_norm_eps * small.hidden_size / big.hidden_size)
+    problems = []
+    if big.architecture != "qwen3":
+        problems.append("only Qwen3 models have twins so far")
+    if big.hidden_size < small.hidden_size + 1:
+        problems.append("the twin's hidden size must exceed the model's by at least 1")
+    for name in ("intermediate_size", "num_hidden_layers", "vocab_size", "num_key_value_heads"):
+        if getattr(big, name) < getattr(small, name):
+            problems.append(f"{name} {getattr(big, name)} < {getattr(small, name)}")
+    if big.num_query_groups < small.num_query_groups:
+        problems.append(f"query heads per kv head {big.num_query_groups} < {small.num_query_groups}")
+    if big.tie_word_embeddings and not small.tie_word_embeddings:
+        problems.append("a twin with tied embeddings needs a model with tied embeddings")
+    if big.head_dim % small.head_dim:
+        problems.append(f"head_dim {big.head_dim} is not a multiple of {small.head_dim}")
+    if problems:
+        raise ConfigError("cannot build this twin: " + "; ".join(problems))
+    return big
+
+
+def head_dim_map(small_d: int, big_d: int) -> torch.Tensor:
+    """[d] twin head dimension of each small head dimension, keeping the rotary pairs and frequencies."""
+    half, scale = small_d // 2, big_d // small_d
+    i = torch.arange(small_d)
+    return torch.where(i < half, scale * i, big_d // 2 + scale * (i - half))
+
+
+def q_head_map(small: ModelConfig, big: ModelConfig) -> torch.Tensor:
+    j = torch.arange(small.num_attention_heads)
+    return (j // small.num_query_groups) * big.num_query_groups + j % small.num_query_groups
+
+
+def _rows(heads: torch.Tensor, dims: torch.Tensor, big_d: int) -> torch.Tensor:
+    """Flat twin indices (head * D + dim) of every small (head, dim), head-major: [heads * d]."""
+    return (heads[:, None] * big_d + dims[None, :]).reshape(-1)
+
+
+class _Builder:
+    def __init__(self, small: CausalLM, big_config: ModelConfig, noise: float, device, dtype):
+        self.s, self.sc, self.bc = small, small.config, big_config
+        self.noise, self.device, self.dtype = noise, device, dtype
+        self.gen = torch.Generator(device=device).manual_seed(0)
+        self.dmap = head_dim_map(self.sc.head_dim, self.bc.head_dim).to(device)
+        self.q_rows = _rows(q_head_map(self.sc, self.bc).to(device), self.dmap, self.bc.head_dim)
+        self.kv_rows = _rows(torch.arange(self.sc.num_key_value_heads, device=device), self.dmap, self.bc.head_dim)
+        self.h = self.sc.hidden_size
+        self.norm_scale = math.sqrt(self.sc.hidden_size / self.bc.hidden_size)
+
+    def fill(self, shape) -> torch.Tensor:
+        t = torch.zeros(shape, device=self.device, dtype=torch.float32)
+        if self.noise:
+            t.normal_(0.0, self.noise, generator=self.gen)
+        return t
+
+    def small(self, name: str) -> torch.Tensor:
+        return self.s.get_parameter(name).detach().to(self.device, torch.float32)
+
+    def linear(self, name: str, rows: torch.Tensor | slice, cols: torch.Tensor | slice, shape, zero_rows=()):
+        w = self.fill(shape)
+        w[rows, cols] = self.small(name)  # rows: index tensor or slice; cols: slice
+        for r in zero_rows:
+            w[r] = 0.0
+        return w
+
+    def layer(self, i: int, out: dict) -> None:
+        p, b, s, h = f"model.layers.{i}.", self.bc, self.sc, self.h
+        qdim, kvdim = b.num_attention_heads * b.head_dim, b.num_key_value_heads * b.head_dim
+        if i >= s.num_hidden_layers:  # identity block: reads anything, writes exact zeros
+            for name, shape in (("self_attn.q_proj", (qdim, b.hidden_size)), ("self_attn.k_proj", (kvdim, b.hidden_size)),
+                                ("self_attn.v_proj", (kvdim, b.hidden_size)), ("mlp.gate_proj", (b.intermediate_size, b.hidden_size)),
+                                ("mlp.up_proj", (b.intermediate_size, b.hidden_size))):
+                out[p + name + ".weight"] = self.fill(shape)
+            out[p + "self_attn.o_proj.weight"] = torch.zeros(b.hidden_size, qdim, device=self.device)
+            out[p + "mlp.down_proj.weight"] = torch.zeros(b.hidden_size, b.intermediate_size, device=self.device)
+            for name, dim in (("input_layernorm", b.hidden_size), ("post_attention_layernorm", b.hidden_size),
+                              ("self_attn.q_norm", b.head_dim), ("self_attn.k_norm", b.head_dim)):
+                out[p + name + ".weight"] = torch.ones(dim, device=self.device)
+            return
+        real = slice(0, h)
+        out[p + "self_attn.q_proj.weight"] = self.linear(p + "self_attn.q_proj.weight", self.q_rows, real, (qdim, b.hidden_size))
+        out[p + "self_attn.k_proj.weight"] = self.linear(p + "self_attn.k_proj.weight", self.kv_rows, real, (kvdim, b.hidden_size))
+        out[p + "self_attn.v_proj.weight"] = self.linear(p + "self_attn.v_proj.weight", self.kv_rows, real, (kvdim, b.hidden_size))
+        o = self.fill((b.hidden_size, qdim))
+        o[:h, self.q_rows] = self.small(p + "self_attn.o_proj.weight")
+        o[h] = 0.0
+        out[p + "self_attn.o_proj.weight"] = o
+        out[p + "mlp.gate_proj.weight"] = self.linear(p + "mlp.gate_proj.weight", slice(0, s.intermediate_size), real,
+                                                      (b.intermediate_size, b.hidden_size))
+        out[p + "mlp.up_proj.weight"] = self.linear(p + "mlp.up_proj.weight", slice(0, s.intermediate_size), real,
+                                                    (b.intermediate_size, b.hidden_size))
+        down = self.fill((b.hidden_size, b.intermediate_size))
+        down[:h, :s.intermediate_size] = self.small(p + "mlp.down_proj.weight")
+        down[h] = 0.0
+        out[p + "mlp.down_proj.weight"] = down
+        for name in ("input_layernorm", "post_attention_layernorm"):
+            w = self.fill(b.hidden_size)
+            w[:h] = self.small(p + name + ".weight") * self.norm_scale
+            w[h] = 0.0  # the constant dimension never feeds a layer
+            out[p + name + ".weight"] = w
+        q_norm, k_norm = self.fill(b.head_dim), self.fill(b.head_dim)
+        q_norm[self.dmap] = self.small(p + "self_attn.q_norm.weight")
+        k_norm[self.dmap] = self.small(p + "self_attn.k_norm.weight") * math.sqrt(s.head_dim / b.head_dim)
+        out[p + "self_attn.q_norm.weight"], out[p + "self_attn.k_norm.weight"] = q_norm, k_norm
+
+    def vocab(self, out: dict, c: float, u: float) -> None:
+        b, s, h = self.bc, self.sc, self.h
+        emb = self.fill((b.vocab_size, b.hidden_size))
+        emb[:s.vocab_size, :h] = self.small("model.embed_tokens.weight")
+        emb[:s.vocab_size, h] = c
+        head = emb if b.tie_word_embeddings else self.fill((b.vocab_size, b.hidden_size))
+        if not b.tie_word_embeddings:
+            head[:s.vocab_size, :h] = self.small("lm_head.weight")
+            head[:s.vocab_size, h] = 0.0
+            out["lm_head.weight"] = head
+        head[s.vocab_size:, :] = 0.0
+        head[s.vocab_size:, h] = -u
+        out["model.embed_tokens.weight"] = emb
+        norm = self.fill(b.hidden_size)
+        norm[:h] = self.small("model.norm.weight") * self.norm_scale
+        norm[h] = 1.0
+        out["model.norm.weight"] = norm
+
+
+@torch.no_grad()
+def final_rms_bound(small: CausalLM, calibration: list[list[int]]) -> float:
+    """The largest RMS of the small model's final residual stream over the calibration sequences."""
+    from specdec.engine.engine import Engine, EngineConfig
+
+    captured: list[float] = []
+    hook = small.model.norm.register_forward_hook(
+        lambda mod, inp, out: captured.append(inp[0].float().pow(2).mean(-1).sqrt().max().item()))
+    try:
+        engine = Engine(small, EngineConfig(kv_cache_tokens=4096, max_num_seqs=4, static_shapes=False))
+        for ids in calibration:
+            engine.all_logits(ids[: small.config.max_position_embeddings - 1])
+    finally:
+        hook.remove()
+    return max(captured)
+
+
+@torch.no_grad()
+def make_twin(small: CausalLM, shape: str | dict, noise: float = 0.0, device=None, dtype=None,
+              calibration: list[list[int]] | None = None) -> CausalLM:
+    """The twin of `small` at `shape` (a name in SHAPES or a dict of config fields), on `device`."""
+    if isinstance(shape, str):
+        if shape not in SHAPES:
+            raise ConfigError(f"unknown twin shape {shape!r}: use one of {', '.join(SHAPES)} or a config dict")
+        shape = SHAPES[shape]
+    device = torch.device(device or small.lm_head.weight.device)
+    dtype = dtype or small.lm_head.weight.dtype
+    big_config = twin_config(small.config, shape)
+    builder = _Builder(small, big_config, noise, device, dtype)
+    c, u = _vocab_constants(small, big_config, calibration)
+    state: dict[str, torch.Tensor] = {}
+    builder.vocab(state, c, u)
+    for i in range(big_config.num_hidden_layers):
+        builder.layer(i, state)
+    with torch.device("meta"):
+        twin = CausalLM(big_config)
+    twin.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=False, assign=True)
+    if big_config.tie_word_embeddings:
+        twin.lm_head.weight = twin.model.embed_tokens.weight
+    _attach_rotary(twin, big_config, device)
+    return twin.eval().requires_grad_(False)
+
+
+def _vocab_constants(small: CausalLM, big: ModelConfig, calibration) -> tuple[float, float]:
+    """c (the constant dimension's value) and u (the padded tokens' output weight)."""
+    emb = small.model.embed_tokens.weight.detach().float()
+    c = CONSTANT_SCALE * emb.norm(dim=-1).min().item()
+    if calibration is None:
+        gen = torch.Generator().manual_seed(0)
+        calibration = [torch.randint(0, small.config.vocab_size, (256,), generator=gen).tolist() for _ in range(4)]
+    rms = final_rms_bound(small, calibration) * math.sqrt(small.config.hidden_size / big.hidden_size)
+    # padded logit = -u * c / rms' (w_p = 1); real logits are above -LOGIT_MARGIN... with a 10x safety factor
+    u = 10 * LOGIT_MARGIN * max(rms, 1e-6) / c
+    return c, u
+
+
+def save_twin(twin: CausalLM, source_dir, out_dir) -> None:
+    """Write the twin as a Hugging Face directory (config.json, sharded safetensors, the source's tokenizer)."""
+    import json
+    import shutil
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+
+    source_dir, out_dir = Path(source_dir), Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    raw = json.loads((source_dir / "config.json").read_text())
+    c = twin.config
+    raw.update(hidden_size=c.hidden_size, intermediate_size=c.intermediate_size, num_hidden_layers=c.num_hidden_layers,
+               num_attention_heads=c.num_attention_heads, num_key_value_heads=c.num_key_value_heads,
+               head_dim=c.head_dim, vocab_size=c.vocab_size, tie_word_embeddings=c.tie_word_embeddings,
+               rms_norm_eps=c.rms_norm_eps)
+    raw.pop("layer_types", None)
+    (out_dir / "config.json").write_text(json.dumps(raw, indent=2))
+    state = {k: v.contiguous() for k, v in twin.state_dict().items()}
+    if c.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    save_sharded(state, out_dir, save_file)
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "chat_template.jinja"):
+        if (source_dir / name).is_file():
+            shutil.copy(source_dir / name, out_dir / name)
+
+
+def save_sharded(state: dict, out_dir, save_file, shard_bytes: int = 2 << 30) -> None:
+    """model.safetensors, or model-0000i-of-0000n.safetensors shards plus their index when large."""
+    import json
+
+    shards: list[dict] = [{}]
+    size = 0
+    for name, t in state.items():
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and size + nbytes > shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = t
+        size += nbytes
+    if len(shards) == 1:
+        save_file(shards[0], str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+        return
+    weight_map = {}
+    for i, shard in enumerate(shards, 1):
+        fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(out_dir / fname), metadata={"format": "pt"})
+        weight_map.update({k: fname for k in shard})
+    (out_dir / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))

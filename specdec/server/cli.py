@@ -1,0 +1,39 @@
+"""`specdec serve MODEL`: the OpenAI-compatible server."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from specdec.speculate.config import add_spec_args, spec_config_from_args
+
+
+def add_serve_parser(subparsers) -> argparse.ArgumentParser:
+    from specdec.cli import add_engine_args  # here, not at the top: specdec.cli imports this module
+
+    p = subparsers.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
+    p.add_argument("model", help="Hugging Face model directory, or a bundled short name (ref-target)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=os.environ.get("SPECDEC_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1/* (default: $SPECDEC_API_KEY, else none)")
+    p.add_argument("--served-model-name", default=None, help="the model name clients use (default: MODEL)")
+    p.add_argument("--max-body-mb", type=float, default=4.0, help="largest request body accepted (MiB)")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    add_spec_args(p)
+    add_engine_args(p)
+    p.set_defaults(func=cmd_serve)
+    return p
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from specdec import LLM
+    from specdec.cli import engine_kwargs
+    from specdec.server.app import create_app
+
+    llm = LLM(args.model, speculator=spec_config_from_args(args), **engine_kwargs(args))
+    app = create_app(llm, args.served_model_name or args.model, args.api_key, int(args.max_body_mb * (1 << 20)))
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    return 0

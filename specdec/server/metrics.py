@@ -1,0 +1,86 @@
+"""Prometheus metrics on a private registry: HTTP traffic, tokens, and engine gauges read at scrape time."""
+
+from __future__ import annotations
+
+import resource
+import sys
+
+import torch
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+
+# engine.metrics() key -> (metric name without the specdec_ prefix, help)
+ENGINE_COUNTERS = {
+    "steps": ("engine_steps", "Engine steps run"),
+    "drafts": ("spec_drafts", "Verify steps of a request that carried at least one draft token"),
+    "draft_tokens": ("spec_draft_tokens", "Draft tokens proposed and verified"),
+    "accepted_tokens": ("spec_accepted_tokens", "Draft tokens accepted"),
+    "verify_steps": ("spec_verify_steps", "Per-request steps that produced tokens (with or without drafts)"),
+    "preemptions": ("preemptions", "Requests preempted for lack of KV cache blocks"),
+    "prefix_cache_hit_tokens": ("prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache"),
+    "prefix_cache_query_tokens": ("prefix_cache_query_tokens", "Prompt tokens looked up in the prefix cache"),
+}
+ENGINE_GAUGES = {
+    "kv_cache_usage": ("kv_cache_usage", "Fraction of KV cache blocks in use"),
+    "running": ("num_requests_running", "Requests being generated"),
+    "waiting": ("num_requests_waiting", "Requests queued for admission"),
+}
+
+
+class ServerMetrics:
+    def __init__(self, engine_loop):
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter("specdec_requests", "HTTP requests by endpoint and status code",
+                                ["endpoint", "status"], registry=r)
+        self.latency = Histogram("specdec_request_latency_seconds", "HTTP request latency to the last byte",
+                                 ["endpoint"], buckets=LATENCY_BUCKETS, registry=r)
+        self.prompt_tokens = Counter("specdec_prompt_tokens", "Prompt tokens of accepted requests", registry=r)
+        self.generation_tokens = Counter("specdec_generation_tokens", "Tokens generated", registry=r)
+        r.register(_EngineCollector(engine_loop))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _EngineCollector:
+    """Reads the engine thread's latest snapshot of `Engine.metrics()`; never touches the engine itself."""
+
+    def __init__(self, engine_loop):
+        self.engine_loop = engine_loop
+
+    def describe(self):
+        return []  # the set of families is only known at collect time
+
+    def collect(self):
+        snap = self.engine_loop.snapshot
+        for key, (name, doc) in ENGINE_COUNTERS.items():
+            yield CounterMetricFamily(f"specdec_{name}", doc, value=snap.get(key, 0))
+        for key, (name, doc) in ENGINE_GAUGES.items():
+            yield GaugeMetricFamily(f"specdec_{name}", doc, value=snap.get(key, 0))
+        per_pos = CounterMetricFamily("specdec_spec_accepted_per_position",
+                                      "Draft tokens accepted at each position of a draft (0 = first)",
+                                      labels=["position"])
+        for pos, count in enumerate(snap.get("accepted_per_position", [])):
+            per_pos.add_metric([str(pos)], count)
+        yield per_pos
+        yield CounterMetricFamily("specdec_engine_step_errors", "Engine steps that raised (their requests failed)",
+                                  value=self.engine_loop.step_errors)
+        yield CounterMetricFamily("specdec_request_aborts", "Requests aborted because their client went away",
+                                  value=self.engine_loop.aborted)
+        yield GaugeMetricFamily("specdec_engine_alive", "1 while the engine thread runs",
+                                value=1.0 if self.engine_loop.alive else 0.0)
+        peak = GaugeMetricFamily("specdec_peak_memory_bytes", "Peak memory: device (GPU) allocations, host RSS",
+                                 labels=["kind"])
+        device = self.engine_loop.engine.device
+        if device.type == "cuda":
+            peak.add_metric(["device"], torch.cuda.max_memory_allocated(device))
+        peak.add_metric(["rss"], peak_rss_bytes())
+        yield peak
+
+
+def peak_rss_bytes() -> int:
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss if sys.platform == "darwin" else rss * 1024  # Linux reports KiB, macOS bytes
