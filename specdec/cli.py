@@ -7,6 +7,7 @@ import json
 import sys
 
 from specdec.errors import SpecdecError
+from specdec.judge.cli import add_judge_parsers
 from specdec.server.cli import add_serve_parser
 from specdec.train.cli import add_train_parser
 
@@ -81,6 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(gen)
     gen.set_defaults(func=cmd_generate)
     add_serve_parser(sub)
+    add_judge_parsers(sub)
     add_train_parser(sub)
     twin = sub.add_parser("twin", help="write a scaled twin: a model padded to a larger shape, same function")
     twin.add_argument("model", help="model directory or short name (ref-target)")

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specdec.models.config import ModelConfig
+from specdec.models.fused import Kernels
 
 
 class RMSNorm(nn.Module):
@@ -20,10 +21,11 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        return Kernels.rms_norm(x, self.weight, self.eps)
+
+    def add_forward(self, x: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + delta, norm(x + delta))."""
+        return Kernels.add_rms_norm(x, delta, self.weight, self.eps)
 
 
 class GatedMLP(nn.Module):
@@ -36,7 +38,7 @@ class GatedMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(Kernels.silu_mul(self.gate_proj(x), self.up_proj(x)))
 
 
 def rope_inverse_frequencies(config: ModelConfig) -> torch.Tensor:
@@ -70,13 +72,12 @@ class Rotary(nn.Module):
         self.register_buffer("cos", table.cos(), persistent=False)
         self.register_buffer("sin", table.sin(), persistent=False)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor):
-        """q [T, H, D], k [T, Hkv, D], positions [T] -> rotated q, k."""
-        cos = self.cos[positions].to(q.dtype).unsqueeze(1)  # [T, 1, D]
-        sin = self.sin[positions].to(q.dtype).unsqueeze(1)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [T, 1, D] for the positions [T] (looked up once per forward, shared by all layers)."""
+        return self.cos[positions].to(dtype).unsqueeze(1), self.sin[positions].to(dtype).unsqueeze(1)
 
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    @staticmethod
+    def forward(q: torch.Tensor, k: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]):
+        """q [T, H, D], k [T, Hkv, D] -> rotated q, k."""
+        cos, sin = cos_sin
+        return Kernels.rotate(q, cos, sin), Kernels.rotate(k, cos, sin)

@@ -121,7 +121,4 @@ def random_model(config: ModelConfig, device: str | torch.device, dtype: torch.d
 
 
 def _attach_rotary(model: CausalLM, config: ModelConfig, device: torch.device) -> None:
-    rotary = Rotary(config, config.max_position_embeddings).to(device)
-    model.rotary = rotary
-    for layer in model.model.layers:
-        layer.self_attn._rotary[0] = rotary
+    model.rotary = Rotary(config, config.max_position_embeddings).to(device)

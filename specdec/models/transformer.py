@@ -18,7 +18,7 @@ KVCaches = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: (k [slots, Hkv,
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, rotary: Rotary):
+    def __init__(self, config: ModelConfig):
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
@@ -33,9 +33,8 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.qk_norm = config.qk_norm
-        self._rotary = [rotary]  # shared, kept out of this module's state dict
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch,
+    def forward(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], batch: AttentionBatch,
                 kv_cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         tokens = x.shape[0]
         q = self.q_proj(x).view(tokens, self.num_heads, self.head_dim)  # [T, H, D]
@@ -43,7 +42,7 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self._rotary[0](q, k, positions)
+        q, k = Rotary.forward(q, k, cos_sin)
         k_cache, v_cache = kv_cache
         write_kv(k_cache, v_cache, k, v, batch.slot_mapping)
         out = paged_attention(q, k_cache, v_cache, batch, self.scale)  # [T, H, D]
@@ -51,23 +50,24 @@ class Attention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, rotary: Rotary):
+    def __init__(self, config: ModelConfig):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, rotary)
+        self.self_attn = Attention(config)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size)
 
-    def forward(self, x, positions, batch, kv_cache):
-        x = x + self.self_attn(self.input_layernorm(x), positions, batch, kv_cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, normed, cos_sin, batch, kv_cache):
+        """x: the residual stream [T, hidden]; normed: input_layernorm(x).  Returns (x, mlp output)."""
+        x, h = self.post_attention_layernorm.add_forward(x, self.self_attn(normed, cos_sin, batch, kv_cache))
+        return x, self.mlp(h)
 
 
 class DecoderBody(nn.Module):
-    def __init__(self, config: ModelConfig, rotary: Rotary):
+    def __init__(self, config: ModelConfig):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, rotary) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
@@ -78,7 +78,7 @@ class CausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.rotary = Rotary(config, config.max_position_embeddings)
-        self.model = DecoderBody(config, self.rotary)
+        self.model = DecoderBody(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -87,9 +87,15 @@ class CausalLM(nn.Module):
                       kv_caches: KVCaches) -> torch.Tensor:
         """[T] ids -> [T, hidden] final-normed hidden states."""
         x = self.model.embed_tokens(input_ids)
-        for layer, kv_cache in zip(self.model.layers, kv_caches):
-            x = layer(x, positions, batch, kv_cache)
-        return self.model.norm(x)
+        cos_sin = self.rotary.lookup(positions, x.dtype)
+        layers = self.model.layers
+        # each layer's last residual add is fused with the next layer's input norm (or the final norm)
+        h = layers[0].input_layernorm(x)
+        for i, (layer, kv_cache) in enumerate(zip(layers, kv_caches)):
+            x, delta = layer(x, h, cos_sin, batch, kv_cache)
+            next_norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
+            x, h = next_norm.add_forward(x, delta)
+        return h
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch,
                 kv_caches: KVCaches, logits_index: torch.Tensor | None = None) -> torch.Tensor:

@@ -181,14 +181,21 @@ def final_rms_bound(small: CausalLM, calibration: list[list[int]]) -> float:
     from specdec.engine.engine import Engine, EngineConfig
 
     captured: list[float] = []
-    hook = small.model.norm.register_forward_hook(
-        lambda mod, inp, out: captured.append(inp[0].float().pow(2).mean(-1).sqrt().max().item()))
+    norm = small.model.norm
+    original = norm.add_forward
+
+    def recording(x, delta):  # the final residual stream is the final norm's input
+        out = original(x, delta)
+        captured.append(out[0].float().pow(2).mean(-1).sqrt().max().item())
+        return out
+
+    norm.add_forward = recording
     try:
         engine = Engine(small, EngineConfig(kv_cache_tokens=4096, max_num_seqs=4, static_shapes=False))
         for ids in calibration:
             engine.all_logits(ids[: small.config.max_position_embeddings - 1])
     finally:
-        hook.remove()
+        del norm.add_forward
     return max(captured)
 
 

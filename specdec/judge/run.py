@@ -1,0 +1,402 @@
+"""One judge run: the two engines in sessions, the workloads' timed passes, the gate's data, the record.
+
+Pass i of a workload is measured on both engines close together in time, alternating which goes first
+(stock 1, candidate 1, candidate 2, stock 2, stock 3, candidate 3, ...), so consecutive passes of one engine
+share a session: with `alternate` layout (the default when both are commands and a GPU is visible) only one
+engine is up at a time and each session starts it; with `together` both stay up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import math
+import shlex
+import time
+from pathlib import Path
+
+import httpx
+
+from specdec.judge import gates, stats
+from specdec.judge.client import (ACCEPTED, DRAFTED, VERIFY_STEPS, EngineApi, RequestError, fetch_metrics,
+                                  fetch_metrics_sync, find_metric, http_get, kv_use, run_batch)
+from specdec.judge.config import JudgeConfig, load_prompts
+from specdec.judge.engines import Engine, JudgeFailure, gpu_visible
+from specdec.judge.progress import Reporter
+
+ROLES = ("stock", "candidate")
+SPEC_KEYS = ("ratios", "specscore", "greedy_agreement", "likelihood", "argmax", "fidelity", "lengths", "memory",
+             "acceptance", "limits", "reason", "score")
+SEED_STRIDE = 100_000
+TOKEN_COUNT_TOLERANCE = 1.1  # candidate's claimed/retokenized token count may exceed stock's by 10 % at most
+
+
+def session_plan(passes: int) -> list[tuple[str, list[int]]]:
+    """[(role, passes)] in order; the last stock session comes after the candidate's first (it scores both)."""
+    order = []
+    for i in range(1, passes + 1):
+        order += [("stock", i), ("candidate", i)] if i % 2 else [("candidate", i), ("stock", i)]
+    sessions: list[tuple[str, list[int]]] = []
+    for role, i in order:
+        if sessions and sessions[-1][0] == role:
+            sessions[-1][1].append(i)
+        else:
+            sessions.append((role, [i]))
+    if not any(role == "stock" for role, _ in sessions[2:]):
+        sessions.append(("stock", []))
+    return sessions
+
+
+class Judge:
+    def __init__(self, config: JudgeConfig, reporter: Reporter | None = None):
+        self.config = config
+        self.reporter = reporter or Reporter(config.quiet)
+        config.out.mkdir(parents=True, exist_ok=True)
+        self.prompts = load_prompts(config.prompts, config.num_prompts)
+        self.gate_prompts = load_prompts(config.prompts, config.gate_prompts)
+        self.fixed_texts = load_prompts(config.fixed_texts, config.gate_prompts) if config.fixed_texts \
+            else self.gate_prompts
+        self.engines = {role: Engine(role, spec, config.out, config.startup_timeout_s)
+                        for role, spec in (("stock", config.stock), ("candidate", config.candidate))}
+        self.apis: dict[str, EngineApi] = {}
+        self.layout = config.layout
+        self.busy_concurrency = config.busy_concurrency
+        self.notes: list[str] = []
+        workloads = config.workloads
+        self.speeds = {r: {w: {} for w in workloads} for r in ROLES}  # pass number -> tokens/s
+        self.lengths = {r: {w: {} for w in workloads} for r in ROLES}  # pass number -> reply lengths
+        self.counters = {r: {w: {"accepted": 0.0, "drafted": 0.0, "steps": 0.0, "tokens": 0, "seen": False}
+                             for w in workloads} for r in ROLES}
+        self.kv_peak: dict[str, dict[str, float | None]] = {r: {w: None for w in workloads} for r in ROLES}
+        self.sampled = {r: {} for r in ROLES}  # pass number -> (prompts, replies) of the first workload
+        self.greedy: dict[str, list] = {}
+        self.fixed: dict[str, list] = {}
+        self.scored: dict[str, list[gates.ScoredReply]] = {}
+        self.token_counts: dict[str, float] = {}
+        self.has_top = True
+
+    # ---- the run ----
+
+    def run(self) -> dict:
+        """Judge, write record.json and report.html into config.out, return the record."""
+        from specdec.judge.report import write_report
+
+        started = time.time()
+        reason = None
+        try:
+            self.execute()
+        except JudgeFailure as failure:
+            reason = failure.reason
+        finally:
+            for engine in self.engines.values():
+                engine.stop()
+        record = self.record(reason, time.time() - started)
+        (self.config.out / "record.json").write_text(json.dumps(record, indent=1) + "\n")
+        write_report(record, self.config.out / "report.html")
+        return record
+
+    def execute(self) -> None:
+        if self.layout == "auto":
+            both_launched = all(e.launched for e in self.engines.values())
+            self.layout = "alternate" if both_launched and gpu_visible() else "together"
+        if self.layout == "together":
+            for engine in self.engines.values():  # load both models at once
+                engine.launch()
+            for role in ROLES:  # and time nothing until both are up
+                self.bring_up(role)
+        for role, passes in session_plan(self.config.passes):
+            self.session(role, passes)
+
+    def session(self, role: str, passes: list[int]) -> None:
+        engine = self.engines[role]
+        if self.layout == "alternate":
+            for other in self.engines.values():
+                if other is not engine and other.launched:
+                    other.stop()
+        self.bring_up(role)
+        for number in passes:
+            for workload in self.config.workloads:
+                self.run_pass(role, workload, number)
+        if role not in self.greedy:
+            self.collect_gate_data(role)
+        if role == "stock" and self.sampled["candidate"] and not self.scored:
+            self.score_sampled()
+
+    def bring_up(self, role: str) -> None:
+        """Start the engine if it is not up, learn its model name, warm it up."""
+        engine = self.engines[role]
+        if engine.healthy:
+            return
+        self.reporter.say(f"[bold]{role}[/]: starting {engine.spec}")
+        engine.start()
+        if role not in self.apis:
+            self.apis[role] = EngineApi(engine.url, self.config.model or model_name(engine.url),
+                                        self.config.request_timeout_s)
+        self.apis[role].base_url = engine.url
+        n = min(self.config.concurrency, len(self.prompts))
+        bodies = [dict(body, max_tokens=min(8, body["max_tokens"])) for body in self.bodies("team")[:n]]
+        self.batch(role, "warm-up", bodies, n)
+
+    # ---- workloads ----
+
+    def concurrency(self, workload: str) -> int:
+        return {"solo": 1, "team": self.config.concurrency}.get(workload) or self.busy_concurrency
+
+    def bodies(self, workload: str, number: int = 0, count: int | None = None) -> list[dict]:
+        """Pass `number`'s requests (0: warm-up and probes).  Request i of pass p has seed SEED + 100000 p + i:
+        the same on both engines, new samples in each pass."""
+        c = self.config
+        max_tokens = c.busy_max_tokens if workload == "busy" else c.max_tokens
+        count = count or max(len(self.prompts), 1 if workload == "solo" else self.concurrency(workload))
+        return [{"prompt": self.prompts[i % len(self.prompts)], "max_tokens": max_tokens, "temperature": c.temperature,
+                 "top_p": c.top_p, "seed": c.seed + SEED_STRIDE * number + i} for i in range(count)]
+
+    def run_pass(self, role: str, workload: str, number: int) -> None:
+        if workload == "busy" and self.busy_concurrency is None:
+            self.calibrate_busy()
+        label = f"{workload} pass {number}/{self.config.passes}"
+        bodies = self.bodies(workload, number)
+        before = self.read_counters(role)
+        kv: list[float] = []
+        replies, seconds = self.batch(role, label, bodies, self.concurrency(workload),
+                                      poll=self.kv_poller(kv) if workload == "busy" else None)
+        after = self.read_counters(role)
+        tokens = sum(r.completion_tokens for r in replies)
+        if tokens == 0:
+            raise JudgeFailure(f"{role} engine produced no tokens in {label}")
+        self.speeds[role][workload][number] = tokens / seconds
+        self.lengths[role][workload][number] = [r.completion_tokens for r in replies]
+        self.add_counters(role, workload, before, after, tokens)
+        if kv:
+            self.kv_peak[role][workload] = max(kv + [self.kv_peak[role][workload] or 0.0])
+        if workload == self.config.workloads[0]:
+            self.sampled[role][number] = ([b["prompt"] for b in bodies], replies)
+        self.reporter.say(f"{role:<9} {label:<16} {tokens:>7} tokens in {seconds:7.2f} s = "
+                          f"{tokens / seconds:9.1f} tok/s" + (f"  (KV use {max(kv):.0%})" if kv else ""))
+
+    def calibrate_busy(self) -> None:
+        """Find a concurrency at which the stock engine reports >= busy_kv_target KV-cache use.
+
+        Use grows about in proportion to the requests in flight: each probe scales the concurrency by
+        1.1 / (use seen), at most 8x a probe; after three probes the last estimate stands.
+        """
+        c = self.config
+        concurrency = min(c.concurrency, c.busy_max_concurrency)
+        for _ in range(3):
+            kv: list[float] = []
+            self.batch("stock", f"busy probe at concurrency {concurrency}", self.bodies("busy", 0, concurrency),
+                       concurrency, poll=self.kv_poller(kv))
+            if not kv:
+                concurrency = min(4 * c.concurrency, c.busy_max_concurrency)
+                self.notes.append("the stock engine reports no KV-cache use in /metrics: busy ran at "
+                                  f"concurrency {concurrency} (4 x team)")
+                break
+            use = max(kv)
+            if use >= c.busy_kv_target or concurrency >= c.busy_max_concurrency:
+                break
+            concurrency = min(c.busy_max_concurrency, 8 * concurrency, math.ceil(1.1 * concurrency / max(use, 1e-3)))
+        self.busy_concurrency = concurrency
+        self.reporter.say(f"busy: concurrency {concurrency}")
+
+    @staticmethod
+    def kv_poller(sink: list[float]):
+        async def poll(client: httpx.AsyncClient):
+            use = kv_use(await fetch_metrics(client))
+            if use is not None:
+                sink.append(use)
+        return poll
+
+    def read_counters(self, role: str) -> dict | None:
+        values = fetch_metrics_sync(self.engines[role].url)
+        if values is None:
+            return None
+        return {"accepted": find_metric(values, ACCEPTED), "drafted": find_metric(values, DRAFTED),
+                "steps": find_metric(values, VERIFY_STEPS)}
+
+    def add_counters(self, role, workload, before, after, tokens) -> None:
+        total = self.counters[role][workload]
+        total["tokens"] += tokens
+        if before is None or after is None:
+            return
+        for key in ("accepted", "drafted", "steps"):
+            if before[key] is not None and after[key] is not None:
+                total[key] += after[key] - before[key]
+                total["seen"] = True
+
+    # ---- the gate's data ----
+
+    def collect_gate_data(self, role: str) -> None:
+        c = self.config
+        bodies = [{"prompt": p, "max_tokens": c.max_tokens, "temperature": 0.0, "logprobs": 1, "seed": c.seed + i}
+                  for i, p in enumerate(self.gate_prompts)]
+        replies, _ = self.batch(role, "greedy replies", bodies, c.concurrency)
+        self.greedy[role] = replies
+        fixed, _ = self.batch(role, "fixed texts", [{"prompt": t} for t in self.fixed_texts], c.concurrency,
+                              score=True)
+        self.fixed[role] = fixed
+
+    def score_sampled(self) -> None:
+        """The stock engine scores both engines' sampled replies (prompt + reply, through echo).
+
+        The replies are those of the first workload's passes that both engines have run by now.
+        """
+        numbers = sorted(set(self.sampled["stock"]) & set(self.sampled["candidate"]))
+        prompt_tokens: dict[str, int] = {}
+        for role in ROLES:
+            prompts = [p for n in numbers for p in self.sampled[role][n][0]]
+            replies = [r for n in numbers for r in self.sampled[role][n][1]]
+            texts = [{"prompt": p + r.text} for p, r in zip(prompts, replies)]
+            scored, _ = self.batch("stock", f"scoring {role} replies", texts, self.config.concurrency, score=True)
+            if any(s.text_offset is None for s in scored) and not prompt_tokens:
+                unique = sorted(set(prompts))
+                counted, _ = self.batch("stock", "scoring prompts", [{"prompt": p} for p in unique],
+                                        self.config.concurrency, score=True)
+                prompt_tokens = {p: len(s.tokens) for p, s in zip(unique, counted)}
+            self.scored[role] = [gates.score_reply(s, len(p), prompt_tokens.get(p)) for p, s in zip(prompts, scored)]
+            self.has_top &= all(s.top_logprobs is not None for s in scored)
+            retokenized = sum(s.num_tokens for s in self.scored[role])
+            self.token_counts[role] = sum(r.completion_tokens for r in replies) / max(retokenized, 1)
+
+    def batch(self, role: str, label: str, bodies: list[dict], concurrency: int, poll=None, score: bool = False):
+        engine = self.engines[role]
+        with self.reporter.batch(f"{role:<9} {label}", len(bodies)) as bar:
+            try:
+                return asyncio.run(run_batch(self.apis[role], bodies, concurrency,
+                                             on_reply=lambda r: bar.advance(r.completion_tokens), poll=poll,
+                                             score=score))
+            except RequestError as exc:
+                engine.check_alive(f"during {label}", grace_s=3.0 if exc.dropped else 0.0)  # a dying one drops first
+                raise JudgeFailure(f"{role} engine: a request failed during {label}: {exc}") from None
+
+    # ---- the record ----
+
+    def record(self, reason: str | None, seconds: float) -> dict:
+        c = self.config
+        record: dict = {key: None for key in SPEC_KEYS}
+        record["limits"] = dataclasses.asdict(c.limits)
+        checks: list[gates.Check] = []
+        if reason is None:
+            checks = self.evaluate(record)
+            failed = [f"{ch.name}: {ch.why}" for ch in checks if not ch.ok]
+            claimed = self.token_counts.get("candidate", 1.0) / max(self.token_counts.get("stock", 1.0), 1e-9)
+            if claimed > TOKEN_COUNT_TOLERANCE:
+                failed.append(f"token counts: the candidate's usage.completion_tokens claim {claimed:.2f} x what "
+                              "its replies hold (by the stock tokenizer), against stock's own ratio")
+            if failed:
+                reason = "gate failed: " + "; ".join(failed)
+        record["reason"] = reason
+        record["score"] = record["specscore"] if reason is None else 0.0
+        record.update(self.extras(checks, seconds))
+        return rounded(record)
+
+    def evaluate(self, record: dict) -> list[gates.Check]:
+        c, limits = self.config, self.config.limits
+        workloads = c.workloads
+        ordered = {r: {w: [self.speeds[r][w][i] for i in range(1, c.passes + 1)] for w in workloads} for r in ROLES}
+        record["ratios"], record["specscore"] = stats.specscore(
+            {w: stats.pass_ratios(ordered["candidate"][w], ordered["stock"][w]) for w in workloads})
+        checks = []
+        record["memory"], check = gates.memory(self.engines["candidate"].memory.peak_mib(),
+                                               self.engines["stock"].memory.peak_mib(), limits,
+                                               self.engines["candidate"].launched)
+        checks.append(check)
+        record["fidelity"], check = gates.fidelity(self.fixed["candidate"], self.fixed["stock"], limits)
+        checks.append(check)
+        record["likelihood"], record["argmax"], pair = gates.likelihood_and_argmax(
+            self.scored["candidate"], self.scored["stock"], self.has_top, limits)
+        checks += pair
+        use_tokens = all(r.tokens is not None for role in ROLES for r in self.greedy[role])
+        sequences = {role: [r.tokens if use_tokens else list(r.text) for r in self.greedy[role]] for role in ROLES}
+        record["greedy_agreement"], check = gates.greedy_agreement(sequences["candidate"], sequences["stock"], limits)
+        checks.append(check)
+        per_request = {r: {w: mean_over_passes(self.lengths[r][w]) for w in workloads} for r in ROLES}
+        record["lengths"], check = gates.lengths(per_request["candidate"], per_request["stock"], limits)
+        checks.append(check)
+        record["acceptance"] = {w: self.acceptance(w) for w in workloads}
+        return checks
+
+    def acceptance(self, workload: str) -> float | None:
+        """Tokens per verify step of the candidate: 1 + accepted / steps (or tokens / steps)."""
+        total = self.counters["candidate"][workload]
+        if not total["seen"] or total["steps"] <= 0:
+            return None
+        if total["accepted"] or total["drafted"]:
+            return 1.0 + total["accepted"] / total["steps"]
+        return total["tokens"] / total["steps"]
+
+    def extras(self, checks: list[gates.Check], seconds: float) -> dict:
+        c = self.config
+        workloads = {}
+        for w in c.workloads:
+            rate = self.counters["candidate"][w]
+            workloads[w] = {
+                "concurrency": self.concurrency(w),
+                "max_tokens": c.busy_max_tokens if w == "busy" else c.max_tokens,
+                "requests": len(self.bodies(w)) if self.concurrency(w) else None,
+                "stock_tps": [self.speeds["stock"][w][i] for i in sorted(self.speeds["stock"][w])],
+                "candidate_tps": [self.speeds["candidate"][w][i] for i in sorted(self.speeds["candidate"][w])],
+                "kv_use": {r: self.kv_peak[r][w] for r in ROLES},
+                "acceptance_rate": rate["accepted"] / rate["drafted"] if rate["drafted"] > 0 else None,
+            }
+        return {
+            "title": c.title or self.title(),
+            "gates": [{"check": ch.name, "key": ch.key, "measured": ch.measured, "limit": ch.limit, "ok": ch.ok}
+                      for ch in checks],
+            "workloads": workloads,
+            "gate_replies": {"workload": c.workloads[0], "passes": sorted(set(self.sampled["stock"])
+                                                                          & set(self.sampled["candidate"])),
+                             "per_engine": len(self.scored.get("candidate", []))},
+            "token_counts": self.token_counts or None,
+            "notes": self.notes,
+            "layout": self.layout,
+            "engines": {role: e.summary() for role, e in self.engines.items()},
+            "settings": c.settings(),
+            "duration_s": seconds,
+        }
+
+    def title(self) -> str:
+        model = self.apis["stock"].model if "stock" in self.apis else "model"
+        return f"{model} · {speculator_name(self.config.candidate)}"
+
+
+def mean_over_passes(by_pass: dict[int, list[int]]) -> list[float]:
+    """Per request index (the same prompt in every pass, on both engines), its mean reply length over passes."""
+    rows = [by_pass[i] for i in sorted(by_pass)]
+    return [sum(col) / len(col) for col in zip(*rows)]
+
+
+def model_name(url: str) -> str:
+    """The first model id the engine lists at /v1/models (or "default")."""
+    try:
+        data = http_get(f"{url}/v1/models").json()
+        return str(data["data"][0]["id"])
+    except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError):
+        return "default"
+
+
+def speculator_name(spec: str) -> str:
+    """'draft (ref-draft, k=4)' from a specdec command line; else the command's program or the URL."""
+    if spec.startswith(("http://", "https://")):
+        return f"candidate at {spec}"
+    argv = shlex.split(spec)
+    flags = {a: b for a, b in zip(argv, argv[1:]) if a.startswith("--")}
+    if "--speculator" in flags:
+        details = [flags[f] for f in ("--draft-model", "--draft-url") if f in flags]
+        details += [f"k={flags['--num-draft-tokens']}"] if "--num-draft-tokens" in flags else []
+        return flags["--speculator"] + (f" ({', '.join(details)})" if details else "")
+    return Path(argv[0]).name if argv else "candidate"
+
+
+def rounded(value, digits: int = 6):
+    if isinstance(value, float):
+        return round(value, digits) if math.isfinite(value) else None  # JSON has no infinity
+    if isinstance(value, dict):
+        return {k: rounded(v, digits) for k, v in value.items()}
+    if isinstance(value, list):
+        return [rounded(v, digits) for v in value]
+    return value
+
+
+def run_judge(config: JudgeConfig) -> dict:
+    return Judge(config).run()

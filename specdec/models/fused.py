@@ -1,0 +1,59 @@
+"""Elementwise pieces of the decoder that a GPU wants fused: RMSNorm (with the residual add), rotary
+embedding, SiLU-and-multiply.
+
+Each is plain PyTorch here; `enable_fused_kernels()` swaps in `torch.compile`d versions (Triton kernels
+that do each in one pass) on a GPU, where a decode step is otherwise thousands of tiny kernels.  The
+CPU (and the tests) keep the plain versions, whose arithmetic follows transformers exactly.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """weight * x / rms(x), in float32 and cast back before the weight (as transformers does)."""
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float):
+    """(x + delta, rms_norm(x + delta)): the residual add and the next norm in one pass."""
+    x = x + delta
+    return x, rms_norm(x, weight, eps)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, D] rotated by cos/sin [T, 1, D] (rotate-half layout)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.silu(gate) * up
+
+
+class Kernels:
+    """The implementations in use (plain by default)."""
+
+    rms_norm = staticmethod(rms_norm)
+    add_rms_norm = staticmethod(add_rms_norm)
+    rotate = staticmethod(rotate)
+    silu_mul = staticmethod(silu_mul)
+    fused = False
+
+
+def enable_fused_kernels() -> bool:
+    """Compile the elementwise pieces (GPU only); returns whether they are now in use."""
+    if Kernels.fused or not torch.cuda.is_available():
+        return Kernels.fused
+    compile_ = lambda fn: torch.compile(fn, dynamic=True, fullgraph=True)  # noqa: E731
+    Kernels.rms_norm = staticmethod(compile_(rms_norm))
+    Kernels.add_rms_norm = staticmethod(compile_(add_rms_norm))
+    Kernels.rotate = staticmethod(compile_(rotate))
+    Kernels.silu_mul = staticmethod(compile_(silu_mul))
+    Kernels.fused = True
+    return True

@@ -1,0 +1,61 @@
+"""Each check of the lossless gate fails on a candidate built to fail it (and only the checks it should)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.fakes.judging import judge_fakes
+
+# One workload and pass: the gate's checks do not need three; more prompts give the statistics power.
+GATE_RUN = dict(workloads=("solo",), passes=1, num_prompts=32, max_tokens=24, memory_slack_mib=100)
+
+
+def failed_checks(record: dict) -> set[str]:
+    return {g["key"] for g in record["gates"] if not g["ok"]}
+
+
+@pytest.mark.parametrize("mode, fails", [
+    ("hot", {"likelihood", "argmax"}),  # samples at 1.6 x the temperature
+    ("short", {"lengths"}),  # stops replies at half their max_tokens
+    ("perturb", {"fidelity"}),  # reports log-probs with noise
+    ("hog", {"memory"}),  # holds 256 MiB more than stock
+])
+def test_gate_fails_on_a_candidate_built_to_fail_it(tmp_path, mode, fails):
+    record = judge_fakes(tmp_path, (), ("--mode", mode), **GATE_RUN)
+    assert failed_checks(record) >= fails, record["gates"]
+    assert failed_checks(record) <= fails | {"lengths"}, record["gates"]  # hotter sampling also ends sooner
+    assert record["score"] == 0.0 and record["specscore"] > 0
+    assert record["reason"].startswith("gate failed: ")
+    names = {g["key"]: g["check"] for g in record["gates"]}
+    assert all(names[key] in record["reason"] for key in fails)
+
+
+def test_greedy_agreement_floor_can_fail(tmp_path):
+    record = judge_fakes(tmp_path, (), ("--mode", "short"), greedy_agreement_floor=0.99, **GATE_RUN)
+    assert "greedy_agreement" in failed_checks(record) and record["greedy_agreement"] < 0.99
+
+
+def test_every_gate_passes_on_the_real_speculating_engine(tmp_path):
+    """`specdec serve ref-target` alone against it with the ref-draft speculator: lossless, so all pass."""
+    from specdec.assets import heldout_prompts_path, resolve_model
+    from specdec.judge import JudgeConfig, run_judge
+    from specdec.judge.cli import serve_command
+
+    try:
+        resolve_model("ref-target"), resolve_model("ref-draft")
+    except FileNotFoundError:
+        pytest.skip("the reference pair is not built")
+    spec = "--speculator draft --draft-model ref-draft --num-draft-tokens 4 --fixed-k"  # fixed k: no cost probe
+    config = JudgeConfig(stock=serve_command("ref-target", 1024), candidate=serve_command("ref-target", 1024, spec),
+                         prompts=heldout_prompts_path(), out=tmp_path, workloads=("solo",), passes=1, num_prompts=4,
+                         max_tokens=16, concurrency=2, gate_prompts=3, quiet=True, startup_timeout_s=300)
+    record = run_judge(config)
+    assert record["reason"] is None, record["reason"]
+    assert all(g["ok"] for g in record["gates"]) and record["fidelity"] == 0.0
+    assert record["acceptance"]["solo"] > 1.0
+
+
+def test_inflated_token_claims_are_refused(tmp_path):
+    record = judge_fakes(tmp_path, (), ("--mode", "inflate"), **GATE_RUN)
+    assert record["score"] == 0.0 and "token counts" in record["reason"]
+    assert record["token_counts"]["candidate"] == pytest.approx(2 * record["token_counts"]["stock"])
