@@ -37,9 +37,9 @@ def weight_bytes(model) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
-def make_engine(model, batch: int, context: int, kv_tokens: int) -> Engine:
+def make_engine(model, batch: int, context: int, kv_tokens: int, fused: bool = False) -> Engine:
     config = EngineConfig(kv_cache_tokens=kv_tokens, max_num_seqs=max(batch, 1), max_num_batched_tokens=8192,
-                          max_graph_batch=max(batch, 1), max_graph_context=context + 1024)
+                          max_graph_batch=max(batch, 1), max_graph_context=context + 1024, fused_kernels=fused)
     return Engine(model, config)
 
 
@@ -135,6 +135,25 @@ def check_graph_replay(engine: Engine) -> float:
     return (replay - eager).abs().max().item()
 
 
+def fused_kernel_rows(model, args, vocab: int, gen, device) -> list[dict]:
+    """Batch 1 and 8 at the first context again, with the torch.compile'd elementwise kernels."""
+    if device.type != "cuda":
+        return []
+    rows = []
+    context = int(args.contexts.split(",")[0])
+    for batch in (1, 8):
+        try:
+            engine = make_engine(model, batch, context, batch * 64 + context + 64 * (args.max_k + 2) * batch, fused=True)
+            start_requests(engine, batch, context, vocab, gen)
+            ms = decode_step_ms(engine, args.steps)
+            rows.append({"batch": batch, "context": context, "step_ms": ms, "tok_s": batch * 1e3 / ms,
+                         "graph_vs_eager_max_abs_diff": check_graph_replay(engine)})
+        except Exception as exc:  # a compile failure is a finding, not a reason to lose the run
+            rows.append({"batch": batch, "error": f"{type(exc).__name__}: {exc}"[:500]})
+        print("fused", rows[-1], flush=True)
+    return rows
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="bench/results/decode-h200.json")
@@ -182,6 +201,7 @@ def main(argv=None) -> int:
             if device.type == "cuda":
                 torch.cuda.empty_cache()
     results["decode"] = table
+    results["fused"] = fused_kernel_rows(model, args, config_dict["vocab_size"], gen, device)
     results["verify_cost"] = verify
     bs1 = next(r for r in table if r["batch"] == 1 and r["context"] == contexts[0])
     results["step_ms_bs1"] = bs1["step_ms"]

@@ -29,6 +29,7 @@ class EngineConfig:
     cuda_graphs: bool = True  # capture fixed-shape steps as CUDA graphs (GPU only)
     max_graph_batch: int = 256
     max_graph_context: int = 8192
+    fused_kernels: bool = False  # torch.compile the elementwise pieces on GPU (specdec.models.fused)
 
     def validate(self) -> None:
         if self.block_size <= 0:
@@ -58,6 +59,10 @@ class Engine:
         self.kv_cache = KVCache(mc, num_blocks, config.block_size, self.device, dtype)
         self.blocks = BlockManager(num_blocks, config.block_size)
         self.scheduler = Scheduler(self.blocks, config.max_num_batched_tokens, config.max_num_seqs)
+        if config.fused_kernels and self.device.type == "cuda":
+            from specdec.models.fused import enable_fused_kernels
+
+            enable_fused_kernels()
         self.runner = ModelRunner(model, self.kv_cache, self.device, self._static_runner())
         self.eos_token_ids = eos_token_ids
         self.speculator = speculator

@@ -165,9 +165,10 @@ class _Builder:
         if not b.tie_word_embeddings:
             head[:s.vocab_size, :h] = self.small("lm_head.weight")
             head[:s.vocab_size, h] = 0.0
-            out["lm_head.weight"] = head
         head[s.vocab_size:, :] = 0.0
         head[s.vocab_size:, h] = -u
+        if not b.tie_word_embeddings:
+            out["lm_head.weight"] = head
         out["model.embed_tokens.weight"] = emb
         norm = self.fill(b.hidden_size)
         norm[:h] = self.small("model.norm.weight") * self.norm_scale
@@ -212,17 +213,26 @@ def make_twin(small: CausalLM, shape: str | dict, noise: float = 0.0, device=Non
     big_config = twin_config(small.config, shape)
     builder = _Builder(small, big_config, noise, device, dtype)
     c, u = _vocab_constants(small, big_config, calibration)
-    state: dict[str, torch.Tensor] = {}
+    state = _CastingDict(dtype)  # each weight is cast as it is made: peak memory ~ the twin + one fp32 matrix
     builder.vocab(state, c, u)
     for i in range(big_config.num_hidden_layers):
         builder.layer(i, state)
     with torch.device("meta"):
         twin = CausalLM(big_config)
-    twin.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=False, assign=True)
+    twin.load_state_dict(state, strict=False, assign=True)
     if big_config.tie_word_embeddings:
         twin.lm_head.weight = twin.model.embed_tokens.weight
     _attach_rotary(twin, big_config, device)
     return twin.eval().requires_grad_(False)
+
+
+class _CastingDict(dict):
+    def __init__(self, dtype: torch.dtype):
+        super().__init__()
+        self.dtype = dtype
+
+    def __setitem__(self, key, value: torch.Tensor):
+        super().__setitem__(key, value.to(self.dtype))
 
 
 def _vocab_constants(small: CausalLM, big: ModelConfig, calibration) -> tuple[float, float]:
