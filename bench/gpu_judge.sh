@@ -28,8 +28,8 @@ start draft8b 8101 ref-target --twin qwen3-8b --speculator draft --draft-model r
 start ngram8b 8102 ref-target --twin qwen3-8b --speculator ngram --num-draft-tokens 8
 wait_healthy 8100 8101 8102; echo "twin servers up at ${SECONDS}s"
 python3 bench/warmup.py 8100 8101 8102
-judge twin8b-draft 8100 8101 170
-judge twin8b-ngram 8100 8102 130
+judge twin8b-draft 8100 8101 150
+judge twin8b-ngram 8100 8102 110
 kill %1 %2 %3; wait; echo "twin judges done at ${SECONDS}s"
 fi
 
@@ -38,13 +38,13 @@ start stock 8200 ref-target
 start draft 8201 ref-target --speculator draft --draft-model ref-draft --num-draft-tokens 8
 start ngram 8202 ref-target --speculator ngram --num-draft-tokens 8
 wait_healthy 8200 8201 8202; python3 bench/warmup.py 8200 8201 8202
-judge draft 8200 8201 60
-judge ngram 8200 8202 50
+judge draft 8200 8201 50
+judge ngram 8200 8202 40
 kill %1 %2 %3; wait; echo "pair judges done at ${SECONDS}s"
 
 [ -n "$SKIP_TWINS" ] && exit 0
 # 3. twins against random weights of the same shape; fused kernels at 8B
-timeout 70 python3 bench/twin.py --out "$OUT/twin-h200.json" --prompts 16 --steps 20 > "$OUT/twin.log" 2>&1; tail -n 4 "$OUT/twin.log"
-timeout 60 python3 bench/decode.py --out "$OUT/decode-fused-h200.json" --batches 1 --contexts 512 --max-k 2 --steps 20 \
+timeout 60 python3 bench/twin.py --out "$OUT/twin-h200.json" --prompts 16 --steps 20 > "$OUT/twin.log" 2>&1; tail -n 4 "$OUT/twin.log"
+timeout 50 python3 bench/decode.py --out "$OUT/decode-fused-h200.json" --batches 1 --contexts 512 --max-k 2 --steps 20 \
   > "$OUT/decode-fused.log" 2>&1; tail -n 6 "$OUT/decode-fused.log"
 echo "all done at ${SECONDS}s"

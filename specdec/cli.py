@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 
+from specdec.drafting.cli import add_draft_parser
 from specdec.errors import SpecdecError
 from specdec.judge.cli import add_judge_parsers
 from specdec.server.cli import add_serve_parser
@@ -82,6 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(gen)
     gen.set_defaults(func=cmd_generate)
     add_serve_parser(sub)
+    add_draft_parser(sub)
     add_judge_parsers(sub)
     add_train_parser(sub)
     twin = sub.add_parser("twin", help="write a scaled twin: a model padded to a larger shape, same function")

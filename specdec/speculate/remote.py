@@ -74,14 +74,17 @@ class RemoteSpeculator(Speculator):
             self.failed_steps = self.max_failed_steps - 1  # after the pause one more failed step pauses again
 
     def metrics(self) -> dict:
+        kinds = self.tally.kinds()
         return {
             "remote_url": self.url,
             "remote_requests": self.tally.requests,
-            "remote_failures": self.tally.failures,
-            "remote_failure_kinds": self.tally.kinds(),
+            "remote_failures": self.tally.failures,  # each one an empty draft
+            "remote_errors": kinds["error"],  # error status or no connection
+            "remote_timeouts": kinds["timeout"],
+            "remote_malformed": kinds["malformed"],  # bad JSON, ids out of range, more than k ids
             "remote_last_failure": self.tally.last_detail,
             "remote_fallback": self.in_fallback,  # True: the server is being left alone, no speculation now
-            **self.stats,
+            **self.stats,  # remote_fallbacks: pauses so far; remote_skipped: requests not sent during them
         }
 
     def close(self) -> None:

@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from specdec.drafting.walk import walk
 from specdec.train.lm import (
     DRAFT_SHAPE,
     ModelShape,
@@ -334,17 +335,17 @@ def draft_matches(draft, prompts: Sequence[TokenIds], conts: Sequence[TokenIds],
 
 
 def acceptance_walk(matches: np.ndarray, k: int) -> tuple[int, int]:
-    """(tokens, steps) of the greedy walk over one continuation with k draft tokens per step:
-    a = matched prefix of the k drafts, step = min(a + 1, tokens left)."""
-    tokens = steps = pos = 0
+    """(tokens, steps) of the greedy walk (``specdec.drafting.walk``) over one continuation with k draft
+    tokens per step: a = matched prefix of the k drafts, step = min(a + 1, tokens left)."""
     n = len(matches)
-    while pos < n:
+
+    def accepted_at(pos: int) -> int:
         a = 0
         while a < k and pos + a < n and matches[pos + a]:
             a += 1
-        step = min(a + 1, n - pos)
-        tokens, steps, pos = tokens + step, steps + 1, pos + step
-    return tokens, steps
+        return a
+
+    return walk(n, accepted_at)
 
 
 def acceptance_tau(matches: Sequence[np.ndarray], k: int) -> float:
