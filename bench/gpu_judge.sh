@@ -7,17 +7,17 @@ OUT=${1:-/tmp/out}; mkdir -p "$OUT"
 [ -d .whl ] && { python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1; }
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 SERVE="python3 -m specdec.cli serve --device ${DEVICE:-cuda} --max-num-seqs 64 --kv-cache-tokens 40000"
-JUDGE="python3 -m specdec.cli judge ${JUDGE_SIZES:---num-prompts 16 --max-tokens 96 --concurrency 8 --busy-concurrency 48 \
-  --busy-max-tokens 128 --gate-prompts 16} --passes 3 --request-timeout 120 --startup-timeout 240 --quiet"
+JUDGE="python3 -m specdec.cli judge ${JUDGE_SIZES:---num-prompts 8 --max-tokens 64 --concurrency 8 --busy-concurrency 32 \
+  --busy-max-tokens 96 --gate-prompts 8} --passes 3 --request-timeout 120 --startup-timeout 240 --quiet"
 
 start() {  # start NAME PORT ARGS...: a server in the background, its log in $OUT
   local name=$1 port=$2; shift 2
   $SERVE --port "$port" "$@" > "$OUT/serve-$name.log" 2>&1 &
 }
 wait_healthy() { for p in "$@"; do for _ in $(seq 240); do curl -sf "localhost:$p/health" >/dev/null && break; sleep 1; done; done; }
-judge() {  # judge NAME STOCK_PORT CAND_PORT SECONDS
+judge() {  # judge NAME STOCK_PORT CAND_PORT SECONDS TITLE
   timeout "$4" $JUDGE --stock "http://127.0.0.1:$2" --candidate "http://127.0.0.1:$3" --out "$OUT/judge-$1" \
-    --title "$1" > "$OUT/judge-$1.log" 2>&1; echo "judge $1 rc=$?"; tail -n 25 "$OUT/judge-$1.log"
+    --title "$5" > "$OUT/judge-$1.log" 2>&1; echo "judge $1 rc=$?"; tail -n 25 "$OUT/judge-$1.log"
   cp "$OUT/judge-$1/record.json" "$OUT/judge-h200-$1.json" 2>/dev/null; rm -f "$OUT/judge-$1"/*.log
 }
 
@@ -27,9 +27,9 @@ start stock8b 8100 ref-target --twin qwen3-8b
 start draft8b 8101 ref-target --twin qwen3-8b --speculator draft --draft-model ref-draft --draft-twin qwen3-0.6b --num-draft-tokens 8
 start ngram8b 8102 ref-target --twin qwen3-8b --speculator ngram --num-draft-tokens 8
 wait_healthy 8100 8101 8102; echo "twin servers up at ${SECONDS}s"
-python3 bench/warmup.py 8100 8101 8102
-judge twin8b-draft 8100 8101 150
-judge twin8b-ngram 8100 8102 110
+[ -n "$WARMUP" ] && python3 bench/warmup.py 8100 8101 8102
+judge twin8b-draft 8100 8101 85 "ref-target as qwen3-8b twin, drafter ref-draft as qwen3-0.6b twin (k=8)"
+judge twin8b-ngram 8100 8102 70 "ref-target as qwen3-8b twin, n-gram speculator (k=8)"
 kill %1 %2 %3; wait; echo "twin judges done at ${SECONDS}s"
 fi
 
@@ -37,14 +37,14 @@ fi
 start stock 8200 ref-target
 start draft 8201 ref-target --speculator draft --draft-model ref-draft --num-draft-tokens 8
 start ngram 8202 ref-target --speculator ngram --num-draft-tokens 8
-wait_healthy 8200 8201 8202; python3 bench/warmup.py 8200 8201 8202
-judge draft 8200 8201 50
-judge ngram 8200 8202 40
+wait_healthy 8200 8201 8202; [ -n "$WARMUP" ] && python3 bench/warmup.py 8200 8201 8202
+judge draft 8200 8201 30 "ref-target, drafter ref-draft (k=8)"
+judge ngram 8200 8202 25 "ref-target, n-gram speculator (k=8)"
 kill %1 %2 %3; wait; echo "pair judges done at ${SECONDS}s"
 
 [ -n "$SKIP_TWINS" ] && exit 0
 # 3. twins against random weights of the same shape; fused kernels at 8B
-timeout 60 python3 bench/twin.py --out "$OUT/twin-h200.json" --prompts 16 --steps 20 > "$OUT/twin.log" 2>&1; tail -n 4 "$OUT/twin.log"
+timeout 40 python3 bench/twin.py --out "$OUT/twin-h200.json" --pairs ref-target:qwen3-8b --prompts 8 --steps 10 > "$OUT/twin.log" 2>&1; tail -n 4 "$OUT/twin.log"
 timeout 50 python3 bench/decode.py --out "$OUT/decode-fused-h200.json" --batches 1 --contexts 512 --max-k 2 --steps 20 \
   > "$OUT/decode-fused.log" 2>&1; tail -n 6 "$OUT/decode-fused.log"
 echo "all done at ${SECONDS}s"
