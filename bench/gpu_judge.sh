@@ -6,6 +6,7 @@
 OUT=${1:-/tmp/out}; mkdir -p "$OUT"
 [ -d .whl ] && { python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1; }
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+python3 -c "import fastapi, uvicorn, pydantic; import specdec.server.app" || { echo "server imports fail: fix the wheel set (scripts/fetch_gpu_wheels.sh)"; exit 1; }
 SERVE="python3 -m specdec.cli serve --device ${DEVICE:-cuda} --max-num-seqs 64 --kv-cache-tokens 40000"
 JUDGE="python3 -m specdec.cli judge ${JUDGE_SIZES:---num-prompts 8 --max-tokens 64 --concurrency 8 --busy-concurrency 32 \
   --busy-max-tokens 96 --gate-prompts 8} --passes 3 --request-timeout 120 --startup-timeout 240 --quiet"
@@ -14,7 +15,15 @@ start() {  # start NAME PORT ARGS...: a server in the background, its log in $OU
   local name=$1 port=$2; shift 2
   $SERVE --port "$port" "$@" > "$OUT/serve-$name.log" 2>&1 &
 }
-wait_healthy() { for p in "$@"; do for _ in $(seq 240); do curl -sf "localhost:$p/health" >/dev/null && break; sleep 1; done; done; }
+wait_healthy() {  # every port healthy, or give up as soon as a server process has died
+  for p in "$@"; do
+    for _ in $(seq 240); do
+      curl -sf "localhost:$p/health" >/dev/null && break
+      [ "$(jobs -rp | wc -l)" -lt "$(jobs -p | wc -l)" ] && { echo "a server died: see $OUT/serve-*.log"; exit 1; }
+      sleep 1
+    done
+  done
+}
 judge() {  # judge NAME STOCK_PORT CAND_PORT SECONDS TITLE
   timeout "$4" $JUDGE --stock "http://127.0.0.1:$2" --candidate "http://127.0.0.1:$3" --out "$OUT/judge-$1" \
     --title "$5" > "$OUT/judge-$1.log" 2>&1; echo "judge $1 rc=$?"; tail -n 25 "$OUT/judge-$1.log"

@@ -8,6 +8,7 @@ import sys
 
 from specdec.drafting.cli import add_draft_parser
 from specdec.errors import SpecdecError
+from specdec.speculate.config import add_spec_args
 from specdec.judge.cli import add_judge_parsers
 from specdec.server.cli import add_serve_parser
 from specdec.train.cli import add_train_parser
@@ -33,8 +34,9 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from specdec import LLM, SamplingParams
+    from specdec.speculate import spec_config_from_args
 
-    llm = LLM(args.model, **engine_kwargs(args))
+    llm = LLM(args.model, speculator=spec_config_from_args(args), **engine_kwargs(args))
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                             top_p=args.top_p, seed=args.seed, stop=args.stop or None)
     prompts = args.prompt or [sys.stdin.read()]
@@ -81,6 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--stop", action="append", help="stop string (repeatable)")
     gen.add_argument("--json", action="store_true", help="one JSON object per completion")
     add_engine_args(gen)
+    add_spec_args(gen)
     gen.set_defaults(func=cmd_generate)
     add_serve_parser(sub)
     add_draft_parser(sub)
