@@ -24,8 +24,17 @@ ENGINE_COUNTERS = {
 }
 ENGINE_GAUGES = {
     "kv_cache_usage": ("kv_cache_usage", "Fraction of KV cache blocks in use"),
+    "draft_k": ("spec_draft_k", "Drafts per request chosen for the last step (0 = speculation off)"),
     "running": ("num_requests_running", "Requests being generated"),
     "waiting": ("num_requests_waiting", "Requests queued for admission"),
+}
+
+# present only with the remote speculator
+REMOTE_COUNTERS = {
+    "remote_requests": ("remote_draft_requests", "Requests sent to the /draft server"),
+    "remote_failures": ("remote_draft_failures", "/draft requests that failed (each one an empty draft)"),
+    "remote_timeouts": ("remote_draft_timeouts", "/draft requests that timed out"),
+    "remote_fallbacks": ("remote_draft_fallbacks", "Pauses of speculation after consecutive /draft failures"),
 }
 
 
@@ -60,6 +69,12 @@ class _EngineCollector:
             yield CounterMetricFamily(f"specdec_{name}", doc, value=snap.get(key, 0))
         for key, (name, doc) in ENGINE_GAUGES.items():
             yield GaugeMetricFamily(f"specdec_{name}", doc, value=snap.get(key, 0))
+        for key, (name, doc) in REMOTE_COUNTERS.items():
+            if key in snap:
+                yield CounterMetricFamily(f"specdec_{name}", doc, value=snap[key])
+        if "remote_fallback" in snap:
+            yield GaugeMetricFamily("specdec_remote_draft_fallback", "1 while /draft is being left alone",
+                                    value=float(bool(snap["remote_fallback"])))
         per_pos = CounterMetricFamily("specdec_spec_accepted_per_position",
                                       "Draft tokens accepted at each position of a draft (0 = first)",
                                       labels=["position"])

@@ -38,6 +38,8 @@ class SpecConfig:
                               " / --draft-model DIR")
         if self.method == "remote" and not self.url:
             raise ConfigError("the remote speculator needs the /draft server's URL: --draft-url URL")
+        if not self.timeout_s > 0:
+            raise ConfigError(f"the remote drafter's timeout must be positive, got {self.timeout_s}")
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ConfigError(f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min}, {self.ngram_max}")
 
@@ -49,6 +51,8 @@ def add_spec_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--num-draft-tokens", type=int, default=4, help="k: most drafts per request per step")
     group.add_argument("--draft-url", default=None, help="base URL of a /draft server (remote)")
     group.add_argument("--fixed-k", action="store_true", help="always draft k tokens (no cost-model choice of k)")
+    group.add_argument("--draft-timeout", type=float, default=2.0,
+                       help="remote: seconds to wait for a /draft answer before going without drafts")
     group.add_argument("--draft-twin", default=None, help="run the drafter as a scaled twin: qwen3-0.6b, ...")
 
 
@@ -56,4 +60,5 @@ def spec_config_from_args(args: argparse.Namespace) -> SpecConfig | None:
     if args.speculator is None:
         return None
     return SpecConfig(method=args.speculator, model=args.draft_model, num_draft_tokens=args.num_draft_tokens,
-                      url=args.draft_url, adaptive=not args.fixed_k, draft_twin=args.draft_twin)
+                      url=args.draft_url, adaptive=not args.fixed_k, draft_twin=args.draft_twin,
+                      timeout_s=args.draft_timeout)

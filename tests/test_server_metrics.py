@@ -1,0 +1,24 @@
+"""The Prometheus exposition of engine and speculator counters, from an engine snapshot."""
+
+from __future__ import annotations
+
+import types
+
+from specdec.server.metrics import ServerMetrics
+
+
+def render(snapshot: dict) -> str:
+    engine = types.SimpleNamespace(device=types.SimpleNamespace(type="cpu"))
+    loop = types.SimpleNamespace(snapshot=snapshot, step_errors=0, aborted=0, alive=True, engine=engine)
+    return ServerMetrics(loop).render().decode()
+
+
+def test_remote_speculator_counters_appear_only_with_it():
+    plain = render({"draft_tokens": 5, "accepted_tokens": 3, "draft_k": 4})
+    assert "specdec_spec_draft_tokens_total 5.0" in plain and "specdec_spec_draft_k 4.0" in plain
+    assert "remote_draft" not in plain
+    remote = render({"remote_requests": 10, "remote_failures": 2, "remote_timeouts": 1, "remote_fallbacks": 1,
+                     "remote_fallback": True})
+    assert "specdec_remote_draft_requests_total 10.0" in remote
+    assert "specdec_remote_draft_failures_total 2.0" in remote
+    assert "specdec_remote_draft_fallback 1.0" in remote
