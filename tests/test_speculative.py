@@ -190,3 +190,24 @@ def test_fixed_shape_verify_steps_keep_outputs(qwen3_dir, drafter_dir, plain, me
     llm.engine.runner.static.run = lambda seqs: calls.append(seqs[0].num_new) or run(seqs)
     assert [o.token_ids for o in llm.generate(mixed_prompts(), GREEDY)] == plain
     assert any(q > 1 for q in calls)  # verify steps took the fixed-shape path
+
+
+def test_goodput_guard_turns_off_speculation_that_measurably_loses():
+    from specdec.speculate.cost_model import GoodputGuard
+
+    ctl = KController(4, StepCostTable({1: 1.0, 4096: 1.0}), lambda b: 0.0)  # the model says: always draft
+    chosen = []
+    for _ in range(200):
+        k = ctl.choose(["a"] * 8, 0)
+        chosen.append(k)
+        # measured reality: a speculating step emits 2 tokens per request but takes 4x as long
+        ctl.observe_step(8, k, 16 if k else 8, 4.0 if k else 1.0)
+    late = chosen[100:]
+    assert sum(k == 0 for k in late) >= 0.9 * len(late)  # plain decoding wins; probes stay rare
+    assert any(k > 0 for k in late)  # ... but it keeps probing
+    ctl = KController(4, StepCostTable({1: 1.0, 4096: 1.0}), lambda b: 0.0)
+    for _ in range(100):
+        k = ctl.choose(["a"], 0)
+        ctl.observe_step(1, k, 3 if k else 1, 1.2 if k else 1.0)  # speculation pays: keep it
+    assert sum(ctl.choose(["a"], 0) > 0 for _ in range(32)) >= 28
+    assert GoodputGuard.bucket(1) == 0 and GoodputGuard.bucket(8) == 3 and GoodputGuard.bucket(9) == 4

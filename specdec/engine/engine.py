@@ -133,8 +133,8 @@ class Engine:
     @torch.inference_mode()
     def step(self) -> list[Request]:
         """Run one engine step; return the requests that finished during it."""
-        if self.speculator is not None:
-            self._propose()
+        started = time.perf_counter()
+        decoding = self._propose() if self.speculator is not None else 0
         seqs = self.scheduler.schedule()
         finished = list(self.scheduler.out_of_cache)
         self.scheduler.out_of_cache.clear()
@@ -149,13 +149,18 @@ class Engine:
                 finished.append(seq.request)
         self.stats["steps"] += 1
         self.stats["tokens_fed"] += sum(s.num_new for s in seqs)
+        if self.controller is not None and decoding:  # the tokens are on the host: the step's work is done
+            tokens = sum(len(t) for t in emitted)
+            self.controller.observe_step(decoding, self.controller.last_k, tokens, time.perf_counter() - started)
         return finished
 
     def set_speculator(self, speculator, controller) -> None:
         self.speculator, self.controller = speculator, controller
 
-    def _propose(self) -> None:
-        """Drafts for every decoding request; k from the controller, capped by what may still be generated."""
+    def _propose(self) -> int:
+        """Drafts for every decoding request; k from the controller, capped by what may still be generated.
+
+        Returns the number of decoding requests."""
         running = self.scheduler.running
         decoding = [r for r in running if not r.is_prefilling]
         prefill = sum(r.num_tokens - r.num_computed for r in running if r.is_prefilling)
@@ -165,6 +170,7 @@ class Engine:
         ks = [max(0, min(k, r.params.max_tokens - len(r.output_token_ids) - 1,
                          self.max_model_len - r.num_tokens - 1)) for r in decoding]
         self.speculator.propose(decoding, ks)
+        return len(decoding)
 
     def _on_finished(self, req: Request) -> None:
         if self.speculator is not None:

@@ -5,6 +5,12 @@ prefill) to the target and costs t_target(T) + k t_draft(B).  Request r then emi
 E_r(k) = 1 + a_r + a_r^2 + ... + a_r^k tokens, a_r being its acceptance rate.  The controller picks
 the k in 0..k_max with the most tokens per second, sum_r E_r(k) / cost(k); k = 0 is plain decoding,
 so when the target is compute-bound (a busy engine) speculation switches itself off.
+
+The cost tables are measured once at start; what a step really costs also holds host overhead, the
+drafter's sampling, graph captures.  So the controller also keeps, per batch-size bucket, the measured
+tokens per second of steps that speculated and of steps that did not (exponential moving averages),
+and turns speculation off for a bucket where it measurably loses (`GoodputGuard`), probing now and
+then so that the verdict can change.
 """
 
 from __future__ import annotations
@@ -88,6 +94,44 @@ def expected_tokens(alpha: float, k: int) -> float:
     return sum(alpha**i for i in range(k + 1))
 
 
+class GoodputGuard:
+    """Measured tokens/s with and without speculation per batch bucket; vetoes speculation that loses.
+
+    Every PROBE_EVERY-th step of a bucket runs the arm that is not currently preferred, so both
+    estimates stay fresh (a probe costs at most one slow step in PROBE_EVERY).
+    """
+
+    EMA = 0.1
+    PROBE_EVERY = 16
+    MARGIN = 0.97  # speculation must reach 97% of plain decoding's goodput to keep running
+
+    def __init__(self):
+        self.rate: dict[tuple[int, bool], float] = {}  # (bucket, speculated) -> tokens/s
+        self.steps: dict[int, int] = {}
+
+    @staticmethod
+    def bucket(batch: int) -> int:
+        return max(0, batch - 1).bit_length()  # 1 -> 0, 2 -> 1, 3..4 -> 2, 5..8 -> 3, ...
+
+    def allow(self, batch: int) -> bool:
+        b = self.bucket(batch)
+        self.steps[b] = self.steps.get(b, 0) + 1
+        spec, plain = self.rate.get((b, True)), self.rate.get((b, False))
+        if spec is None or plain is None:  # unmeasured: alternate until both arms have a reading
+            return spec is None
+        prefer_spec = spec >= self.MARGIN * plain
+        probe = self.steps[b] % self.PROBE_EVERY == 0
+        return prefer_spec != probe
+
+    def observe(self, batch: int, speculated: bool, tokens: int, seconds: float) -> None:
+        if batch == 0 or seconds <= 0:
+            return
+        key = (self.bucket(batch), speculated)
+        rate = tokens / seconds
+        old = self.rate.get(key)
+        self.rate[key] = rate if old is None else (1 - self.EMA) * old + self.EMA * rate
+
+
 class KController:
     """Picks the number of drafts per request for the coming step."""
 
@@ -98,7 +142,13 @@ class KController:
         self.draft_cost = draft_cost or (lambda batch: 0.0)
         self.adaptive = adaptive and target_cost is not None
         self.acceptance = AcceptanceTracker()
+        self.guard = GoodputGuard()
         self.last_k = k_max
+
+    def observe_step(self, batch: int, k: int, tokens: int, seconds: float) -> None:
+        """A finished step: `batch` decoding requests at `k` drafts emitted `tokens` in `seconds`."""
+        if self.adaptive:
+            self.guard.observe(batch, k > 0, tokens, seconds)
 
     def choose(self, request_ids: list[str], other_tokens: int) -> int:
         """k for this step, given the decoding requests and the prefill tokens sharing the step."""
@@ -115,5 +165,7 @@ class KController:
             cost = self.target_cost(other_tokens + batch * (k + 1)) + k * self.draft_cost(batch)
             if tokens / cost > best_rate * 1.0001:
                 best_k, best_rate = k, tokens / cost
+        if best_k > 0 and not self.guard.allow(batch):
+            best_k = 0
         self.last_k = best_k
         return best_k
