@@ -145,6 +145,11 @@ class KController:
         self.guard = GoodputGuard()
         self.last_k = k_max
 
+    def candidates(self) -> list[int]:
+        """The k values the controller picks from: 0, powers of two, k_max (few distinct verify shapes,
+        so few CUDA graphs to capture)."""
+        return sorted({0, self.k_max} | {2**i for i in range(6) if 2**i < self.k_max})
+
     def observe_step(self, batch: int, k: int, tokens: int, seconds: float) -> None:
         """A finished step: `batch` decoding requests at `k` drafts emitted `tokens` in `seconds`."""
         if self.adaptive:
@@ -160,7 +165,7 @@ class KController:
         rates = [self.acceptance.rate(r) for r in request_ids]
         batch = len(request_ids)
         best_k, best_rate = 0, 0.0
-        for k in range(self.k_max + 1):
+        for k in self.candidates():
             tokens = sum(expected_tokens(a, k) for a in rates)
             cost = self.target_cost(other_tokens + batch * (k + 1)) + k * self.draft_cost(batch)
             if tokens / cost > best_rate * 1.0001:
