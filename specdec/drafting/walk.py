@@ -12,17 +12,9 @@ Worked example (k = 4, continuation of 6 tokens): a = 4 at pos 0 -> step 5; a = 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
-
-def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
-    """How many leading items a and b share."""
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
+from specdec.sequences import common_prefix_length  # noqa: F401  (re-exported)
 
 
 def walk(end: int, accepted_at: Callable[[int], int], start: int = 0) -> tuple[int, int]:

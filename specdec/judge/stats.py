@@ -8,6 +8,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from specdec.sequences import common_prefix_length
+
 Z95 = 1.96
 
 
@@ -86,9 +88,4 @@ def common_prefix_share(candidate: Sequence, stock: Sequence) -> float:
     """Length of the common prefix / length of the stock reply (1 when both are empty)."""
     if not stock:
         return 1.0 if not candidate else 0.0
-    n = 0
-    for a, b in zip(candidate, stock):
-        if a != b:
-            break
-        n += 1
-    return n / len(stock)
+    return common_prefix_length(candidate, stock) / len(stock)
