@@ -133,3 +133,14 @@ def test_fixed_shape_decode_steps_keep_outputs(qwen3_dir, alone):
     llm = LLM(qwen3_dir, device="cpu", kv_cache_tokens=2048, block_size=4, static_shapes=True, max_graph_batch=8)
     assert [o.token_ids for o in llm.generate(prompts(6), GREEDY)] == alone
     assert llm.engine.runner.static is not None
+
+
+def test_fixed_shape_short_prefills_keep_outputs(qwen3_dir):
+    """A prompt of 2..33 tokens prefilled in one fixed-shape step samples after its last token only."""
+    plain = LLM(qwen3_dir, device="cpu", kv_cache_tokens=2048, block_size=4)
+    static = LLM(qwen3_dir, device="cpu", kv_cache_tokens=2048, block_size=4, static_shapes=True)
+    short = [p[:20] for p in prompts(4, seed=21)]
+    assert all(len(p) <= 33 for p in short)
+    for p in short:  # alone: the prefill step is the fixed-shape path
+        assert static.generate(p, GREEDY)[0].token_ids == plain.generate(p, GREEDY)[0].token_ids
+    assert [o.token_ids for o in static.generate(short, GREEDY)] == [o.token_ids for o in plain.generate(short, GREEDY)]

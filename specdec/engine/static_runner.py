@@ -66,7 +66,9 @@ class StaticRunner:
         context = _next_power_of_two(max(max(s.request.num_computed + q for s in seqs), 256))
         self._fill(seqs, q, batch)
         logits = self._forward(batch, q, context)  # [batch * q, V]
-        return [logits[i * q:i * q + s.num_new] for i, s in enumerate(seqs)]
+        # the rows the sampler reads: after the last fed token and after each draft (see ModelRunner.forward);
+        # a short prefill feeds several prompt tokens but samples only after the last one
+        return [logits[i * q + s.num_new - 1 - s.num_drafts:i * q + s.num_new] for i, s in enumerate(seqs)]
 
     def _fill(self, seqs: list[ScheduledSeq], q: int, batch: int) -> None:
         ids, positions, slots, ctx, tables = [], [], [], [], []
