@@ -24,12 +24,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--twin", default=None,
                         help="run the model as a scaled twin of a larger shape (qwen3-8b, qwen3-1.7b, qwen3-0.6b)")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1,
+                        help="split the model over N GPUs; launch with torchrun --nproc-per-node N")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
     return dict(device=args.device, dtype=args.dtype, kv_cache_tokens=args.kv_cache_tokens,
                 block_size=args.block_size, max_num_seqs=args.max_num_seqs,
-                max_num_batched_tokens=args.max_num_batched_tokens, twin=args.twin)
+                max_num_batched_tokens=args.max_num_batched_tokens, twin=args.twin,
+                tensor_parallel_size=getattr(args, "tensor_parallel_size", 1))
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -40,7 +43,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                             top_p=args.top_p, seed=args.seed, stop=args.stop or None)
     prompts = args.prompt or [sys.stdin.read()]
-    for out in llm.generate(prompts, params, use_tqdm=len(prompts) > 1):
+    outputs = llm.generate(prompts, params, use_tqdm=len(prompts) > 1 and llm.is_main_rank)
+    for out in outputs if llm.is_main_rank else []:  # tensor parallel: every rank computes, rank 0 prints
         if args.json:
             print(json.dumps({"text": out.text, "token_ids": out.token_ids, "finish_reason": out.finish_reason}))
         else:

@@ -10,7 +10,7 @@ import torch
 
 from specdec.engine.engine import Engine, EngineConfig
 from specdec.engine.request import Request, TokenLogprobs
-from specdec.errors import InvalidRequestError, ModelLoadError
+from specdec.errors import ConfigError, InvalidRequestError, ModelLoadError
 from specdec.models.loader import load_model
 from specdec.sampling import SamplingParams
 from specdec.tokenizer import Tokenizer, eos_token_ids
@@ -52,29 +52,59 @@ def parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
 class LLM:
     def __init__(self, model: str | Path, device: str | torch.device | None = None,
                  dtype: str | torch.dtype | None = None, kv_cache_tokens: int | None = None,
-                 speculator=None, twin: str | dict | None = None, **engine_options):
+                 speculator=None, twin: str | dict | None = None, tensor_parallel_size: int = 1,
+                 **engine_options):
+        """tensor_parallel_size > 1: this process is one rank of a torchrun launch; every rank runs this
+        same LLM on the same requests (SPMD, specdec.parallel.tensor_parallel) and rank 0 reports."""
         from specdec.assets import resolve_model
 
         try:
             self.model_dir = resolve_model(model)
         except FileNotFoundError as exc:
             raise ModelLoadError(str(exc)) from exc
+        self.tensor_parallel = None
+        if tensor_parallel_size != 1:
+            from specdec.parallel.tensor_parallel import init_tensor_parallel, rank_device
+
+            self.tensor_parallel = init_tensor_parallel(tensor_parallel_size, device)
+            device = rank_device(device, self.tensor_parallel)
         self.device = pick_device(device)
         self.model = load_model(self.model_dir, self.device, parse_dtype(dtype))
         if twin is not None:  # the same function at a large model's shapes (specdec.models.twin)
             from specdec.models.twin import make_twin
 
             self.model = make_twin(self.model, twin, noise=1e-6 if self.device.type == "cuda" else 0.0)
+        if self.tensor_parallel is not None:
+            from specdec.parallel.tensor_parallel import shard_model
+
+            shard_model(self.model, self.tensor_parallel.rank, self.tensor_parallel.world_size)
         self.tokenizer = Tokenizer(self.model_dir) if (self.model_dir / "tokenizer.json").is_file() else None
         self.eos_token_ids = eos_token_ids(self.model_dir, self.model.config.eos_token_ids)
         config = EngineConfig(kv_cache_tokens=kv_cache_tokens, **engine_options)
+        if self.tensor_parallel is not None:  # equal KV caches, so every rank schedules alike
+            from specdec.parallel.tensor_parallel import agreed_kv_cache_tokens
+
+            config.kv_cache_tokens = agreed_kv_cache_tokens(self.model, config, self.device)
         self.engine = Engine(self.model, config, self.eos_token_ids, None,
                              self.tokenizer.decode if self.tokenizer else None)
         self.spec_config = speculator
         if speculator is not None:
             from specdec.speculate.build import build_speculator
 
-            self.engine.set_speculator(*build_speculator(speculator, self))
+            if self.tensor_parallel is not None and speculator.method == "remote":  # answers could differ by rank
+                raise ConfigError("the remote speculator does not run under tensor parallelism: use draft or ngram")
+
+            spec, controller = build_speculator(speculator, self)
+            if self.tensor_parallel is not None:  # k from rank 0's timings on every rank
+                from specdec.parallel.tensor_parallel import RankZeroController
+
+                controller = RankZeroController(controller)
+            self.engine.set_speculator(spec, controller)
+
+    @property
+    def is_main_rank(self) -> bool:
+        """False on tensor-parallel ranks other than 0 (which compute but do not report)."""
+        return self.tensor_parallel is None or self.tensor_parallel.rank == 0
 
     def encode(self, prompt: str | Sequence[int]) -> list[int]:
         if isinstance(prompt, str):

@@ -33,6 +33,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from specdec.cli import engine_kwargs
     from specdec.server.app import create_app
 
+    if args.tensor_parallel_size != 1:  # ranks > 0 would need rank 0's requests mirrored to them
+        from specdec.errors import ConfigError
+
+        raise ConfigError("serve does not support --tensor-parallel-size yet: use specdec generate under torchrun")
     llm = LLM(args.model, speculator=spec_config_from_args(args), **engine_kwargs(args))
     app = create_app(llm, args.served_model_name or args.model, args.api_key, int(args.max_body_mb * (1 << 20)))
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)

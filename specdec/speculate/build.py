@@ -69,6 +69,10 @@ def _draft_speculator(config: SpecConfig, llm):
         free, _ = torch.cuda.mem_get_info(llm.device)
         fits = int(free * 0.8) // KVCache.bytes_per_token(drafter.config, drafter.lm_head.weight.dtype)
         tokens = min(tokens, fits)
+        if llm.tensor_parallel is not None:  # equal drafter caches on every rank
+            from specdec.parallel.tensor_parallel import min_across_ranks
+
+            tokens = min_across_ranks(tokens)
     static = llm.engine.runner.static is not None
     return DraftModelSpeculator(drafter, llm.model.config.vocab_size, tokens, llm.engine.config.block_size,
                                 static_shapes=static, max_batch=llm.engine.config.max_num_seqs)

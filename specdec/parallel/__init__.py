@@ -1,0 +1,1 @@
+"""Tensor parallelism over torch.distributed (specdec.parallel.tensor_parallel)."""
