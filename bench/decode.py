@@ -135,6 +135,22 @@ def check_graph_replay(engine: Engine) -> float:
     return (replay - eager).abs().max().item()
 
 
+def kernel_profile(engine: Engine, steps: int = 5, top: int = 15) -> dict:
+    """CUDA kernels of a few decode steps (torch.profiler): count per step and the top ones by time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            engine.step()
+        sync(engine.device)
+    events = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
+    total_us = sum(e.device_time_total for e in events)
+    rows = sorted(events, key=lambda e: -e.device_time_total)[:top]
+    return {"kernels_per_step": sum(e.count for e in events) / steps, "gpu_us_per_step": total_us / steps,
+            "top": [{"name": e.key[:80], "count_per_step": e.count / steps, "us_per_step": e.device_time_total / steps}
+                    for e in rows]}
+
+
 def fused_kernel_rows(model, args, vocab: int, gen, device) -> list[dict]:
     """Batch 1 and 8 at the first context again, with the torch.compile'd elementwise kernels."""
     if device.type != "cuda":
@@ -148,6 +164,8 @@ def fused_kernel_rows(model, args, vocab: int, gen, device) -> list[dict]:
             ms = decode_step_ms(engine, args.steps)
             rows.append({"batch": batch, "context": context, "step_ms": ms, "tok_s": batch * 1e3 / ms,
                          "graph_vs_eager_max_abs_diff": check_graph_replay(engine)})
+            if batch == 1:
+                rows[-1]["profile"] = kernel_profile(engine)
         except Exception as exc:  # a compile failure is a finding, not a reason to lose the run
             rows.append({"batch": batch, "error": f"{type(exc).__name__}: {exc}"[:500]})
         print("fused", rows[-1], flush=True)
@@ -190,6 +208,8 @@ def main(argv=None) -> int:
                    "prefill_tok_s": prefill}
             if engine.runner.static is not None and engine.runner.static.capture:
                 row["graph_vs_eager_max_abs_diff"] = check_graph_replay(engine)
+            if batch == 1 and context == contexts[0] and device.type == "cuda":
+                row["profile"] = kernel_profile(engine)
             if context == contexts[0] and batch in (1, 8, 32):
                 one = verify_cost_ms(engine, 0, config_dict["vocab_size"])
                 for k in range(args.max_k + 1):
