@@ -172,6 +172,9 @@ def load_drafter(model: str, device: str | None = None, dtype: str | None = None
         model_dir = resolve_model(model)
     except FileNotFoundError as exc:
         raise ModelLoadError(str(exc)) from exc
+    from specdec.models.provenance import check_weights_sha256
+
+    log.warning("%s", check_weights_sha256(model_dir))  # refuses (ModelLoadError) weights other than exported
     torch_device = pick_device(device)
     network = load_model(model_dir, torch_device, parse_dtype(dtype))
     weight_dtype = network.lm_head.weight.dtype

@@ -46,14 +46,23 @@ def weight_files(model_dir: Path) -> list[Path]:
 
 
 def read_state_dict(model_dir: Path, device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    from specdec.models.quant import dequantize_state, quantization_config
+
+    qconfig = quantization_config(model_dir)  # 4-bit / FP8 exports: read as stored, dequantized below
     state: dict[str, torch.Tensor] = {}
     for path in weight_files(model_dir):
         try:
             with safe_open(str(path), framework="pt", device="cpu") as f:
                 for name in f.keys():
-                    state[name] = f.get_tensor(name).to(device=device, dtype=dtype)
+                    tensor = f.get_tensor(name)
+                    state[name] = tensor if qconfig else tensor.to(device=device, dtype=dtype)
         except (SafetensorError, OSError, RuntimeError, ValueError) as exc:
             raise ModelLoadError(f"cannot read {path}: {exc}; the file is corrupt or truncated") from exc
+    if qconfig:
+        try:
+            state = dequantize_state(state, qconfig, device, dtype)
+        except (ValueError, RuntimeError) as exc:
+            raise ModelLoadError(f"{model_dir}: cannot dequantize ({exc})") from exc
     return state
 
 

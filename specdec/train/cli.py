@@ -1,4 +1,4 @@
-"""`specdec train lm|distill|corpus|tokenizer ...`: the training pipeline's commands."""
+"""`specdec train lm|distill|drafter|corpus|tokenizer ...`: the training pipeline's commands."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ COMMANDS = {
     "tokenizer": ("specdec.data.bpe", "train a byte-level BPE tokenizer on a corpus"),
     "lm": ("specdec.train.lm", "pre-train a small Qwen3-architecture model"),
     "distill": ("specdec.train.distill", "distill a drafter from a target's greedy continuations"),
+    "drafter": ("specdec.train.drafter", "the drafter pipeline: engine continuations, training, QAT, exports"),
 }
 
 

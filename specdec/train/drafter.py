@@ -1,0 +1,601 @@
+"""``specdec train drafter``: a drafter distilled from the target's own greedy continuations, end to end.
+
+1. Prompts from each ``--prompts`` source: a JSON-lines file (``{"id", "prompt": text or [ids]}``) or a
+   corpus directory (``specdec train corpus``; prefixes of its *train* split documents).
+2. Overlap check: no training prompt may equal, or be a prefix of / extend, a held-out prompt (the run
+   refuses to start otherwise). The held-out set is only ever used for measuring.
+3. Continuations: the target's greedy continuations made by this project's engine
+   (``LLM(target).generate(..., SamplingParams(temperature=0, max_tokens=N))``), a batch at a time, each
+   batch cached as a JSON-lines shard under ``OUT/continuations/``; a rerun generates only what is missing.
+4. Training (``specdec.train.distill``'s batches and loss): cross-entropy on the target's tokens, plus
+   optionally KL to the target's distributions; starts from ``--base`` (a general model, never a drafter
+   already trained for this target). Held-out tau (k = ``--k``) every ``--eval-every`` steps by the greedy
+   walk (``specdec.drafting.walk``; teacher forced, equal to drafting autoregressively). Checkpoints every
+   ``--checkpoint-every`` steps in ``OUT/checkpoint/``; a rerun with the same ``--out`` resumes.
+5. After ``--max-steps``: export bf16 and FP8; then ``--qat-steps`` of 4-bit quantization-aware training
+   and the int4 export (``specdec.models.quant``). Each export gets ``weights.sha256.json``.
+6. Each export is served with the /draft server and walked by the verifier on the held-out set; the 4-bit
+   and FP8 drafters' greedy next tokens are compared with the bf16 drafter's (agreement).
+
+Provenance: ``OUT/DATA_MANIFEST.md`` (sources, splits, how obtained, overlap check, export sha256),
+``OUT/train_log.jsonl`` (one JSON row per log / evaluation / export event), ``OUT/run.json`` (the settings;
+a resume with different data or models is refused) and ``OUT/result.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from specdec.train.distill import DistillConfig, PairBatcher, acceptance_tau, distill_loss, draft_matches
+from specdec.train.lm import add_train_args, autocast, lr_factor, make_optimizer, pick_device
+
+FORMATS = ("bf16", "fp8", "int4")
+SHARD_PREFIX = "shard-"
+
+
+class HeldoutOverlapError(ValueError):
+    """Training prompts overlap the held-out set."""
+
+
+class RunMismatchError(ValueError):
+    """``--out`` holds a run with other data or models than asked for."""
+
+
+@dataclasses.dataclass
+class DrafterRun:
+    target: str
+    base: str
+    sources: list[str]
+    out: str
+    heldout: str | None = None  # held-out set (with continuations) or prompts; default: the bundled prompts
+    n_prompts: int = 2000  # per corpus source (a JSON-lines source gives all its prompts)
+    min_prompt: int = 32
+    max_prompt: int = 384
+    max_new_tokens: int = 128
+    gen_batch_size: int = 256
+    heldout_max_tokens: int = 128
+    heldout_limit: int | None = None
+    qat_steps: int = 0
+    group_size: int = 32
+    k: int = 16
+    eval_every: int = 100
+    checkpoint_every: int = 100
+    formats: tuple[str, ...] = FORMATS
+    verify: bool = True
+    drop_overlap: bool = False  # leave out training prompts that overlap the held-out set instead of refusing
+    engine_dtype: str | None = None
+    train: DistillConfig = dataclasses.field(default_factory=lambda: DistillConfig(kl_weight=0.0, corpus_fraction=0.0))
+
+    def identity(self) -> dict[str, Any]:
+        """What a resumed run must share with the first one."""
+        return {"target": str(Path(self.target).resolve()), "base": str(Path(self.base).resolve()),
+                "sources": [str(Path(s).resolve()) for s in self.sources], "n_prompts": self.n_prompts,
+                "min_prompt": self.min_prompt, "max_prompt": self.max_prompt, "max_new_tokens": self.max_new_tokens,
+                "seed": self.train.seed, "seq_len": self.train.seq_len, "kl_weight": self.train.kl_weight}
+
+
+class TrainLog:
+    """``train_log.jsonl``: appended, one event a line; also echoed on stderr."""
+
+    def __init__(self, path: Path, quiet: bool = False):
+        self.path, self.quiet = path, quiet
+
+    def __call__(self, event: str, **fields) -> dict:
+        row = {"time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "event": event,
+               **fields}
+        with open(self.path, "a", encoding="utf-8") as fh:
+            fh.write(json.dumps(row) + "\n")
+        if not self.quiet:
+            print(f"[drafter] {event} " + " ".join(f"{k}={v}" for k, v in fields.items() if k != "detail"),
+                  file=sys.stderr, flush=True)
+        return row
+
+
+# ---------------------------------------------------------------------------------------------- prompts
+
+
+def load_prompt_sources(sources: Sequence[str], target_dir: Path, n_prompts: int, min_prompt: int,
+                        max_prompt: int, seed: int) -> tuple[list[dict], list[dict]]:
+    """(prompts ``{"id", "source", "prompt": [ids]}``, one manifest row per source)."""
+    from specdec.data.corpus import load_manifest
+    from specdec.drafting.heldout import read_jsonl
+    from specdec.tokenizer import Tokenizer
+
+    tok = Tokenizer(target_dir)
+    prompts: list[dict] = []
+    rows = []
+    for number, source in enumerate(sources):
+        path = Path(source)
+        tag = f"s{number}"
+        if path.is_dir() and (path / "manifest.json").is_file():
+            from specdec.data.bpe import load_tokenizer
+            from specdec.train.distill import sample_prompts
+            from specdec.train.lm import load_corpus_tokens
+
+            docs = load_corpus_tokens(path, load_tokenizer(target_dir), "train", progress=False)
+            picked = sample_prompts(docs, n_prompts, min_prompt, max_prompt, seed + number)
+            items = [[int(t) for t in p] for p in picked]
+            manifest = load_manifest(path)
+            how = (f"prefixes ({min_prompt}-{max_prompt} tokens, seed {seed + number}) of documents of the train "
+                   f"split of the corpus built by `{manifest.get('command', 'specdec train corpus')}`")
+            kind, split = "corpus", "train (split by package; the corpus's held-out packages are not read)"
+        elif path.is_file():
+            items = [tok.encode(r["prompt"], add_special_tokens=False) if isinstance(r["prompt"], str)
+                     else list(r["prompt"]) for r in read_jsonl(path)]
+            how = "JSON-lines prompt file given on the command line, all of its prompts"
+            kind, split = "jsonl", "train"
+        else:
+            raise FileNotFoundError(f"prompt source {source}: neither a corpus directory nor a JSON-lines file")
+        items = [p for p in items if p]
+        prompts.extend({"id": f"{tag}-{i:06d}", "source": str(path), "prompt": p} for i, p in enumerate(items))
+        rows.append({"source": str(path), "kind": kind, "split": split, "prompts": len(items), "how": how})
+    return prompts, rows
+
+
+def check_overlap(prompts: Sequence[dict], heldout: Sequence[dict], drop: bool = False) -> list[dict]:
+    """The training prompts, checked against the held-out set: a prompt that equals a held-out prompt or is
+    a prefix of it or extends it (the same document's opening) raises ``HeldoutOverlapError`` (with
+    ``drop``: is left out instead)."""
+    key_len = 16
+    by_key: dict[tuple, list[list[int]]] = {}
+    for row in heldout:
+        by_key.setdefault(tuple(row["prompt"][:key_len]), []).append(list(row["prompt"]))
+    clashes = []
+    for p in prompts:
+        ids = list(p["prompt"])
+        for h in by_key.get(tuple(ids[:key_len]), []):
+            n = min(len(ids), len(h))
+            if ids[:n] == h[:n]:
+                clashes.append(p["id"])
+                break
+    if clashes and drop:
+        return [p for p in prompts if p["id"] not in set(clashes)]
+    if clashes:
+        raise HeldoutOverlapError(f"{len(clashes)} training prompt(s) overlap the held-out set (equal to, or a "
+                                  f"prefix of / extending, a held-out prompt), e.g. {clashes[:5]}: the held-out "
+                                  "set is never trained on; remove them from the prompt sources (or pass "
+                                  "--drop-overlap)")
+    return list(prompts)
+
+
+def load_or_make_heldout(run: DrafterRun, llm_factory, log: TrainLog) -> tuple[list[dict], dict]:
+    """The held-out conversations and how they were obtained (made by the engine when only prompts are given)."""
+    from specdec.assets import heldout_prompts_path
+    from specdec.data.corpus import write_jsonl
+    from specdec.drafting.heldout import load_heldout, make_heldout, read_jsonl
+    from specdec.models.provenance import file_sha256
+
+    source = Path(run.heldout) if run.heldout else heldout_prompts_path()
+    rows = read_jsonl(source)[:run.heldout_limit]
+    cached = Path(run.out) / "heldout.jsonl"
+    if rows and all("continuation" in r for r in rows):
+        conversations = load_heldout(source, run.heldout_limit)
+        how = "given: a held-out set with the target's continuations (`specdec draft heldout`)"
+    elif cached.is_file():
+        conversations = load_heldout(cached)
+        how = f"the target's greedy continuations (engine, max {run.heldout_max_tokens} tokens) of {source}, cached"
+    else:
+        conversations = make_heldout(llm_factory(), rows, run.heldout_max_tokens, use_tqdm=False)
+        write_jsonl(cached, conversations)
+        how = f"the target's greedy continuations (engine, max {run.heldout_max_tokens} tokens) of {source}"
+        log("heldout", conversations=len(conversations), path=str(cached))
+    info = {"source": str(source), "sha256": file_sha256(source), "conversations": len(conversations),
+            "tokens": sum(len(c["continuation"]) for c in conversations), "how": how}
+    return conversations, info
+
+
+# ---------------------------------------------------------------------------------------------- continuations
+
+
+def read_shards(cache_dir: Path) -> list[dict]:
+    from specdec.drafting.heldout import read_jsonl
+
+    records: list[dict] = []
+    for shard in sorted(cache_dir.glob(f"{SHARD_PREFIX}*.jsonl")):
+        records.extend(read_jsonl(shard))
+    return records
+
+
+def generate_continuations(llm_factory, prompts: Sequence[dict], cache_dir: Path, max_new_tokens: int,
+                           batch_size: int, log: TrainLog | None = None) -> list[dict]:
+    """``{"id", "source", "prompt", "continuation"}`` for every prompt, generated by the engine in batches;
+    each batch is written as one shard (atomically), and prompts already in a shard are not generated again."""
+    from specdec.sampling import SamplingParams
+
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    done = {r["id"]: r for r in read_shards(cache_dir)}
+    todo = [p for p in prompts if p["id"] not in done]
+    shard_number = len(list(cache_dir.glob(f"{SHARD_PREFIX}*.jsonl")))
+    if log:
+        log("continuations", cached=len(prompts) - len(todo), to_generate=len(todo))
+    llm = llm_factory() if todo else None
+    params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens)
+    for first in range(0, len(todo), batch_size):
+        batch = todo[first:first + batch_size]
+        outs = llm.generate([p["prompt"] for p in batch], params)
+        records = [{**p, "continuation": list(o.token_ids)} for p, o in zip(batch, outs)]
+        shard = cache_dir / f"{SHARD_PREFIX}{shard_number:05d}.jsonl"
+        tmp = shard.with_suffix(".tmp")
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in records))
+        os.replace(tmp, shard)
+        shard_number += 1
+        done.update((r["id"], r) for r in records)
+        if log:
+            log("continuations-shard", shard=shard.name, prompts=len(records),
+                tokens=sum(len(r["continuation"]) for r in records))
+    return [done[p["id"]] for p in prompts]
+
+
+# ---------------------------------------------------------------------------------------------- measuring
+
+
+def heldout_tau(model, heldout: Sequence[dict], k: int, batch_size: int = 32) -> float:
+    """Greedy tau of ``model`` (a transformers causal LM) on the held-out conversations at draft length k."""
+    was_training = model.training
+    model.eval()
+    matches = draft_matches(model, [c["prompt"] for c in heldout], [c["continuation"] for c in heldout], batch_size)
+    model.train(was_training)
+    return round(acceptance_tau(matches, k), 4)
+
+
+def load_as_transformers(model_dir: Path | str, device: str | torch.device = "cpu"):
+    """A transformers causal LM with the weights specdec loads from ``model_dir`` (dequantized exports too)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from specdec.models.loader import read_state_dict
+
+    config = AutoConfig.from_pretrained(str(model_dir))
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    state = read_state_dict(Path(model_dir), torch.device("cpu"), torch.float32)
+    model.load_state_dict(state, strict=False)
+    if config.tie_word_embeddings:
+        model.tie_weights()
+    return model.to(device).eval()
+
+
+@torch.no_grad()
+def greedy_agreement(model_a, model_b, conversations: Sequence[dict], batch_size: int = 32) -> float:
+    """Share of held-out positions (prompt + continuation, teacher forced) where both models' greedy next
+    token is the same."""
+    same = total = 0
+    device = next(model_a.parameters()).device
+    for first in range(0, len(conversations), batch_size):
+        seqs = [c["prompt"] + c["continuation"] for c in conversations[first:first + batch_size]]
+        width = max(len(s) for s in seqs)
+        ids = torch.zeros((len(seqs), width), dtype=torch.long)
+        mask = torch.zeros((len(seqs), width), dtype=torch.bool)
+        for i, s in enumerate(seqs):
+            ids[i, :len(s)] = torch.tensor(s)
+            mask[i, :len(s)] = True
+        ids = ids.to(device)
+        with autocast(device):
+            a = model_a(input_ids=ids).logits.argmax(-1).cpu()
+            b = model_b(input_ids=ids).logits.argmax(-1).cpu()
+        same += int(((a == b) & mask).sum())
+        total += int(mask.sum())
+    return round(same / max(total, 1), 4)
+
+
+def verify_export(model_dir: Path, heldout: Sequence[dict], k: int, vocab_size: int) -> dict:
+    """Serve ``model_dir`` on loopback (sha256 checked) and walk the held-out set with the verifier."""
+    from specdec.drafting.server import ThreadedServer, create_app, load_drafter
+    from specdec.drafting.verify import tau_record, walk_conversations
+
+    drafter = load_drafter(str(model_dir), device="cpu" if not torch.cuda.is_available() else None,
+                           kv_cache_tokens=max(4096, 2 * sum(len(c["prompt"]) + len(c["continuation"]) + k
+                                                              for c in heldout[:32])))
+    with ThreadedServer(create_app(drafter, name=str(model_dir))) as server:
+        walked = walk_conversations(server.url, list(heldout), k, concurrency=min(32, len(heldout)),
+                                    vocab_size=vocab_size)
+    record = tau_record(walked, k)
+    return {key: record[key] for key in ("tau", "tokens", "steps", "samples", "failures", "serving_time_s")}
+
+
+# ---------------------------------------------------------------------------------------------- training
+
+
+class Checkpoint:
+    """``OUT/checkpoint/``: ``state.pt`` (model + optimizer tensors, loadable with ``weights_only``) and
+    ``meta.json`` (step, tokens, QAT on/off, batch order, history)."""
+
+    def __init__(self, directory: Path):
+        self.dir = directory
+
+    def exists(self) -> bool:
+        return (self.dir / "meta.json").is_file() and (self.dir / "state.pt").is_file()
+
+    def meta(self) -> dict:
+        return json.loads((self.dir / "meta.json").read_text())
+
+    def save(self, model, optimizer, meta: dict) -> None:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        tmp = self.dir / "state.pt.tmp"
+        torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, tmp)
+        os.replace(tmp, self.dir / "state.pt")
+        (self.dir / "meta.json.tmp").write_text(json.dumps(meta))
+        os.replace(self.dir / "meta.json.tmp", self.dir / "meta.json")
+
+    def restore(self, model, optimizer) -> None:
+        state = torch.load(self.dir / "state.pt", map_location=next(model.parameters()).device, weights_only=True)
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+
+
+def export_drafter(model, out_dir: Path, fmt: str, tokenizer_dir: Path, group_size: int,
+                   extra_eos_ids: Sequence[int]) -> dict:
+    """Write one export (bf16 / fp8 / int4) with its ``weights.sha256.json``; returns {dir, files: sha256}."""
+    from specdec.models.provenance import write_weights_sha256
+    from specdec.models.quant import export_quantized, without_qat
+    from specdec.train.lm import save_checkpoint
+
+    if fmt == "bf16":
+        save_checkpoint(without_qat(model), out_dir, tokenizer_dir, "100GB", extra_eos_ids=extra_eos_ids)
+    else:
+        export_quantized(model, out_dir, fmt, tokenizer_dir, group_size, extra_eos_ids)
+    return {"dir": str(out_dir), "sha256": write_weights_sha256(out_dir)}
+
+
+def train(run: DrafterRun, records: list[dict], heldout: list[dict], log: TrainLog) -> dict:
+    """The training loop (resumable): bf16 phase, exports, QAT phase, int4 export. Returns a summary."""
+    from specdec.models.quant import enable_qat, qat_enabled
+    from specdec.train.distill import _eos_ids, load_model
+
+    cfg = run.train
+    out = Path(run.out)
+    device = pick_device(cfg.device)
+    draft = load_model(run.base, device, dtype=torch.float32)
+    target = load_model(run.target, device) if cfg.kl_weight else None
+    if target is not None:
+        target.requires_grad_(False)
+        if target.config.vocab_size != draft.config.vocab_size:
+            raise ValueError(f"base vocab {draft.config.vocab_size} != target vocab {target.config.vocab_size}")
+    eos = _eos_ids(draft)
+    pad_id = draft.config.pad_token_id if draft.config.pad_token_id is not None else (eos or [0])[0]
+    pairs = [(np.asarray(r["prompt"], np.int64), np.asarray(r["continuation"], np.int64))
+             for r in records if r["continuation"]]
+    batcher = PairBatcher(pairs, cfg.seq_len, cfg.batch_size, pad_id, seed=cfg.seed)
+    ckpt = Checkpoint(out / "checkpoint")
+    meta = ckpt.meta() if ckpt.exists() else {"step": 0, "tokens": 0, "qat": False, "history": [], "exports": {}}
+    if meta["qat"]:
+        enable_qat(draft, run.group_size)
+    draft.train()
+    opt = make_optimizer(draft, cfg.lr, cfg.weight_decay, cfg.beta2, device)
+    if ckpt.exists():
+        ckpt.restore(draft, opt)
+        batcher.rng.bit_generator.state = meta["rng"]
+        log("resume", step=meta["step"], tokens=meta["tokens"], qat=meta["qat"])
+    step, tokens, history = meta["step"], meta["tokens"], meta["history"]
+    exports = {fmt: e for fmt, e in meta["exports"].items() if Path(e["dir"]).is_dir()}
+    total = cfg.max_steps + run.qat_steps
+    warmup = min(cfg.warmup_steps, max(1, cfg.max_steps // 10))
+    tok_dir = Path(run.target)
+
+    def evaluate(kind: str) -> None:
+        tau = heldout_tau(draft, heldout, run.k, cfg.eval_batch_size)
+        history.append(log("eval", kind=kind, step=step, tokens=tokens, qat=qat_enabled(draft), tau=tau))
+
+    def export(fmts: Sequence[str]) -> None:
+        for fmt in fmts:
+            if fmt in run.formats and fmt not in exports:
+                exports[fmt] = export_drafter(draft, out / "export" / fmt, fmt, tok_dir, run.group_size, eos)
+                exports[fmt]["step"] = step
+                log("export", format=fmt, dir=exports[fmt]["dir"], sha256=exports[fmt]["sha256"])
+
+    def save() -> None:
+        ckpt.save(draft, opt, {"step": step, "tokens": tokens, "qat": qat_enabled(draft), "history": history,
+                               "exports": exports, "rng": batcher.rng.bit_generator.state})
+
+    if step == 0:
+        evaluate("base")
+    forward = torch.compile(draft) if cfg.compile else draft
+    start, losses = time.monotonic(), []
+    while step < total:
+        in_qat = step >= cfg.max_steps
+        lr = cfg.lr * (cfg.min_lr_ratio if in_qat else
+                       lr_factor(step, step / max(cfg.max_steps, 1), warmup, cfg.min_lr_ratio))
+        for group in opt.param_groups:
+            group["lr"] = lr
+        batch = batcher.next(device)
+        with autocast(device):
+            loss = distill_loss(forward, target, batch, cfg.kl_weight)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        if cfg.grad_clip:
+            torch.nn.utils.clip_grad_norm_(draft.parameters(), cfg.grad_clip)
+        opt.step()
+        step, tokens = step + 1, tokens + batcher.last_tokens
+        losses.append(loss.item())
+        if step % cfg.log_every == 0 or step == total:
+            log("train", step=step, tokens=tokens, lr=float(f"{lr:.4g}"), loss=round(sum(losses) / len(losses), 4),
+                qat=in_qat, seconds=round(time.monotonic() - start, 2))
+            losses.clear()
+        if step == cfg.max_steps:
+            evaluate("bf16")
+            export(["bf16", "fp8"])
+            if run.qat_steps:
+                enable_qat(draft, run.group_size)
+        elif step % run.eval_every == 0 or step == total:
+            evaluate("qat" if in_qat else "train")
+        if step % run.checkpoint_every == 0 or step == total:
+            save()
+    if cfg.max_steps == 0 and step == 0:
+        export(["bf16", "fp8"])
+    if "int4" in run.formats and exports.get("int4", {}).get("step") != step:
+        exports.pop("int4", None)
+        export(["int4"])  # after QAT (or, with --qat-steps 0, post-training quantization)
+        exported = load_as_transformers(exports["int4"]["dir"], device)  # tau of what was written
+        history.append(log("eval", kind="int4", step=step, tokens=tokens, qat=bool(run.qat_steps),
+                           tau=heldout_tau(exported, heldout, run.k, cfg.eval_batch_size)))
+        save()
+    return {"steps": step, "tokens": tokens, "history": history, "exports": exports}
+
+
+# ---------------------------------------------------------------------------------------------- provenance
+
+
+def write_manifest(run: DrafterRun, source_rows: list[dict], heldout_info: dict, overlap: tuple[int, int],
+                   records: list[dict], summary: dict | None) -> Path:
+    """``OUT/DATA_MANIFEST.md``: what was trained on, what was held out, how each was obtained, exports."""
+    n_tokens = sum(len(r["continuation"]) for r in records)
+    lines = [
+        "# DATA_MANIFEST: drafter training run", "",
+        f"Written by `specdec train drafter` (specdec.train.drafter) on "
+        f"{datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')}.", "",
+        "## Models", "",
+        f"- target: `{run.target}` (its greedy continuations are the training labels)",
+        f"- base (the drafter's starting point): `{run.base}`: a general pre-trained model, not a drafter "
+        "trained for this target", "",
+        "## Prompt sources", "",
+        "| source | kind | split | prompts | how obtained |", "|---|---|---|---|---|",
+        *[f"| {r['source']} | {r['kind']} | {r['split']} | {r['prompts']} | {r['how']} |" for r in source_rows], "",
+        "## Continuations (training labels)", "",
+        f"The target's greedy continuations (temperature 0, at most {run.max_new_tokens} tokens, EOS kept) made by "
+        f"the specdec engine (`LLM(target).generate`), {run.gen_batch_size} prompts a batch, cached in "
+        f"`continuations/`: {len(records)} conversations, {n_tokens} continuation tokens.", "",
+        "## Held-out set (measuring only, never trained on)", "",
+        f"- source: `{heldout_info['source']}` (sha256 `{heldout_info['sha256']}`)",
+        f"- {heldout_info['conversations']} conversations, {heldout_info['tokens']} continuation tokens; "
+        f"{heldout_info['how']}",
+        f"- overlap check: passed, none of the {overlap[0] - overlap[1]} training prompts trained on equals, is a "
+        "prefix of, or extends a held-out prompt"
+        + (f" ({overlap[1]} that did were left out: --drop-overlap)" if run.drop_overlap else
+           " (the run refuses to start otherwise)"), "",
+        "## Exported weights", "",
+    ]
+    exports = (summary or {}).get("exports", {})
+    if exports:
+        lines += ["| format | directory | file | sha256 |", "|---|---|---|---|"]
+        lines += [f"| {fmt} | {e['dir']} | {name} | `{sha}` |" for fmt, e in exports.items()
+                  for name, sha in e["sha256"].items()]
+        lines += ["", "Each directory holds `weights.sha256.json`; `specdec draft serve` refuses weights that "
+                      "do not match it."]
+    else:
+        lines.append("(none yet)")
+    path = Path(run.out) / "DATA_MANIFEST.md"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def check_run_identity(run: DrafterRun) -> None:
+    """Record the run's settings in ``run.json``; refuse to resume a run made with other data or models."""
+    path = Path(run.out) / "run.json"
+    identity = run.identity()
+    if path.is_file():
+        recorded = json.loads(path.read_text())
+        diff = sorted(k for k in identity if recorded.get(k) != identity[k])
+        if diff:
+            raise RunMismatchError(f"{run.out} holds a run with other {', '.join(diff)} (see {path}): use a new "
+                                   "--out, or the same settings to resume")
+    else:
+        path.write_text(json.dumps(identity, indent=1) + "\n")
+
+
+# ---------------------------------------------------------------------------------------------- the run
+
+
+def run_pipeline(run: DrafterRun, quiet: bool = False) -> dict:
+    """The whole pipeline; returns (and writes to ``OUT/result.json``) the summary."""
+    from specdec.llm import LLM
+
+    out = Path(run.out)
+    out.mkdir(parents=True, exist_ok=True)
+    check_run_identity(run)
+    log = TrainLog(out / "train_log.jsonl", quiet)
+    engine: list = []
+
+    def llm_factory():
+        if not engine:
+            engine.append(LLM(run.target, device=run.train.device, dtype=run.engine_dtype))
+        return engine[0]
+
+    heldout, heldout_info = load_or_make_heldout(run, llm_factory, log)
+    prompts, source_rows = load_prompt_sources(run.sources, Path(run.target), run.n_prompts, run.min_prompt,
+                                               run.max_prompt, run.train.seed)
+    kept = check_overlap(prompts, heldout, run.drop_overlap)
+    n_checked, n_dropped, prompts = len(prompts), len(prompts) - len(kept), kept
+    log("overlap-check", training_prompts=n_checked, heldout=len(heldout), dropped=n_dropped)
+    records = generate_continuations(llm_factory, prompts, out / "continuations", run.max_new_tokens,
+                                     run.gen_batch_size, log)
+    engine.clear()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    overlap = (n_checked, n_dropped)
+    write_manifest(run, source_rows, heldout_info, overlap, records, None)
+    summary = train(run, records, heldout, log)
+    write_manifest(run, source_rows, heldout_info, overlap, records, summary)
+    taus = {row["kind"]: row["tau"] for row in summary["history"] if row["kind"] in ("base", "bf16", "int4")}
+    result = {"k": run.k, "tau_base": taus.get("base"), "tau_bf16": taus.get("bf16"), "tau_int4": taus.get("int4"),
+              "steps": summary["steps"], "tokens": summary["tokens"], "exports": summary["exports"],
+              "curve": [{k: row[k] for k in ("step", "tokens", "qat", "tau", "kind")} for row in summary["history"]]}
+    if run.verify:
+        vocab = json.loads((Path(run.target) / "config.json").read_text())["vocab_size"]
+        result["verified"] = {fmt: verify_export(Path(e["dir"]), heldout, run.k, vocab)
+                              for fmt, e in summary["exports"].items()}
+        log("verify", **{fmt: v["tau"] for fmt, v in result["verified"].items()})
+        if "bf16" in summary["exports"]:
+            ref = load_as_transformers(summary["exports"]["bf16"]["dir"])
+            result["agreement_with_bf16"] = {
+                fmt: greedy_agreement(ref, load_as_transformers(e["dir"]), heldout)
+                for fmt, e in summary["exports"].items() if fmt != "bf16"}
+            log("agreement", **result["agreement_with_bf16"])
+    (out / "result.json").write_text(json.dumps(result, indent=1) + "\n")
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    from specdec.train.lm import train_config_from_args
+
+    parser = argparse.ArgumentParser(prog="specdec train drafter", description=__doc__.split("\n")[0])
+    parser.add_argument("--target", required=True, help="target model directory (with tokenizer files)")
+    parser.add_argument("--base", required=True, help="general pre-trained model of the drafter's size to start from")
+    parser.add_argument("--prompts", nargs="+", required=True,
+                        help="prompt sources: corpus directories (train split) or JSON-lines files {id, prompt}")
+    parser.add_argument("--out", required=True, help="run directory (rerun with the same one to resume)")
+    parser.add_argument("--heldout", default=None, help="held-out set or prompts (default: the bundled prompts)")
+    parser.add_argument("--heldout-limit", type=int, default=None)
+    parser.add_argument("--n-prompts", type=int, default=2000, help="prompts per corpus source")
+    parser.add_argument("--min-prompt", type=int, default=32)
+    parser.add_argument("--max-prompt", type=int, default=384)
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--gen-batch-size", type=int, default=256)
+    parser.add_argument("--kl-weight", type=float, default=0.0, help="weight of KL to the target (0: CE only)")
+    parser.add_argument("--qat-steps", type=int, default=0, help="4-bit QAT steps after --max-steps")
+    parser.add_argument("--group-size", type=int, default=32, help="4-bit group size")
+    parser.add_argument("--k", type=int, default=16, help="draft length for tau")
+    parser.add_argument("--eval-every", type=int, default=100)
+    parser.add_argument("--checkpoint-every", type=int, default=100)
+    parser.add_argument("--formats", nargs="+", default=list(FORMATS), choices=FORMATS)
+    parser.add_argument("--no-verify", action="store_true", help="skip serving and verifying the exports")
+    parser.add_argument("--drop-overlap", action="store_true",
+                        help="leave out training prompts that overlap the held-out set (default: refuse to run)")
+    parser.add_argument("--engine-dtype", default=None, help="dtype of the engine generating continuations")
+    add_train_args(parser, DistillConfig(batch_size=64, lr=1e-3, seq_len=512))
+    args = parser.parse_args(argv)
+    if args.max_steps is None or args.max_minutes is not None:
+        parser.error("give --max-steps (steps of the bf16 phase; --max-minutes is not supported here)")
+    cfg = train_config_from_args(args, DistillConfig, kl_weight=args.kl_weight, corpus_fraction=0.0)
+    run = DrafterRun(args.target, args.base, args.prompts, args.out, args.heldout, args.n_prompts, args.min_prompt,
+                     args.max_prompt, args.max_new_tokens, args.gen_batch_size, args.max_new_tokens,
+                     args.heldout_limit, args.qat_steps, args.group_size, args.k, args.eval_every,
+                     args.checkpoint_every, tuple(args.formats), not args.no_verify, args.drop_overlap,
+                     args.engine_dtype, cfg)
+    result = run_pipeline(run)
+    print(json.dumps({k: result[k] for k in ("k", "tau_base", "tau_bf16", "tau_int4", "steps", "tokens")}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
