@@ -1,0 +1,46 @@
+"""The `specdec` command: generate, twin, train dispatch, and clear errors."""
+
+from __future__ import annotations
+
+import json
+
+from specdec import LLM, SamplingParams
+from specdec.cli import main
+from tests.test_twin import SHAPE
+
+
+def test_generate_prints_json_equal_to_the_api(qwen3_dir, capsys):
+    assert main(["generate", str(qwen3_dir), "--prompt", "abc", "--max-tokens", "6", "--device", "cpu",
+                 "--json", "--speculator", "ngram"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    ref = LLM(qwen3_dir, device="cpu").generate("abc", SamplingParams(max_tokens=6, temperature=0))[0]
+    assert out["token_ids"] == ref.token_ids and out["finish_reason"] == ref.finish_reason
+
+
+def test_twin_command_writes_a_loadable_twin(qwen3_dir, tmp_path, capsys):
+    shape_file = tmp_path / "shape.json"
+    shape_file.write_text(json.dumps(SHAPE))
+    assert main(["twin", str(qwen3_dir), "--shape", str(shape_file), "--out", str(tmp_path / "twin")]) == 0
+    twin = LLM(tmp_path / "twin", device="cpu")
+    assert twin.model.config.hidden_size == SHAPE["hidden_size"]
+    ids = [5, 6, 7, 8, 9]
+    small = LLM(qwen3_dir, device="cpu")
+    got = twin.engine.all_logits(ids)[:, :96].log_softmax(-1)
+    assert (got - small.engine.all_logits(ids).log_softmax(-1)).abs().max().item() <= 1e-4
+
+
+def test_errors_are_one_line_and_exit_2(tmp_path, capsys):
+    assert main(["generate", str(tmp_path / "missing"), "--prompt", "x", "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("specdec: error:") and "Traceback" not in err
+    assert main(["generate", str(tmp_path / "missing"), "--prompt", "x", "--speculator", "draft"]) == 2
+    assert "drafter model" in capsys.readouterr().err
+
+
+def test_train_dispatches_to_the_stage(capsys):
+    import pytest
+
+    with pytest.raises(SystemExit) as exc:
+        main(["train", "lm", "--help"])
+    assert exc.value.code == 0
+    assert "--corpus" in capsys.readouterr().out
