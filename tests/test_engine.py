@@ -144,3 +144,14 @@ def test_fixed_shape_short_prefills_keep_outputs(qwen3_dir):
     for p in short:  # alone: the prefill step is the fixed-shape path
         assert static.generate(p, GREEDY)[0].token_ids == plain.generate(p, GREEDY)[0].token_ids
     assert [o.token_ids for o in static.generate(short, GREEDY)] == [o.token_ids for o in plain.generate(short, GREEDY)]
+
+
+def test_memory_budget_leaves_room_for_the_largest_step(qwen3_dir):
+    from specdec.engine.memory import GRAPH_RESERVE_BYTES, kv_budget_bytes, profile_step_bytes
+
+    llm = LLM(qwen3_dir, device="cpu", kv_cache_tokens=256)
+    step = profile_step_bytes(llm.model, 64, 4, 16, llm.device)  # runs the step; a CPU measures only logits
+    assert step == 3 * 64 * llm.model.config.vocab_size * 4
+    assert kv_budget_bytes(10 << 30, 0.9, step) == int((10 << 30) * 0.9) - step - GRAPH_RESERVE_BYTES
+    assert kv_budget_bytes(1 << 20, 0.9, step) == 0
+    assert llm.generate([5, 6, 7], GREEDY)[0].token_ids  # the throw-away cache left the engine intact

@@ -21,7 +21,7 @@ from specdec.sampling import SamplingParams, top_logprobs
 class EngineConfig:
     block_size: int = 16
     kv_cache_tokens: int | None = None  # None: from free device memory (GPU) or 32k tokens (CPU)
-    gpu_memory_utilization: float = 0.85  # share of free memory, after loading weights, for the KV cache
+    gpu_memory_utilization: float = 0.9  # share of free memory after the weights; less the largest step's need
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 256
     max_model_len: int | None = None  # default: the model's max_position_embeddings
@@ -54,8 +54,14 @@ class Engine:
         mc = model.config
         self.vocab_size = mc.vocab_size
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
+        step_bytes = 0
+        if config.kv_cache_tokens is None and self.device.type == "cuda":  # warm up: measure the largest step
+            from specdec.engine.memory import profile_step_bytes
+
+            step_bytes = profile_step_bytes(model, config.max_num_batched_tokens, config.max_num_seqs,
+                                            config.block_size, self.device)
         num_blocks = num_blocks_for(mc, config.block_size, dtype, self.device, config.kv_cache_tokens,
-                                    config.gpu_memory_utilization)
+                                    config.gpu_memory_utilization, step_bytes)
         self.kv_cache = KVCache(mc, num_blocks, config.block_size, self.device, dtype)
         self.blocks = BlockManager(num_blocks, config.block_size)
         self.scheduler = Scheduler(self.blocks, config.max_num_batched_tokens, config.max_num_seqs)

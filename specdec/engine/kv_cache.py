@@ -111,13 +111,15 @@ class KVCache:
 
 
 def num_blocks_for(config: ModelConfig, block_size: int, dtype: torch.dtype, device: torch.device,
-                   kv_cache_tokens: int | None, memory_fraction: float) -> int:
-    """Blocks from a token budget, or from the device's free memory times `memory_fraction`."""
+                   kv_cache_tokens: int | None, memory_fraction: float, step_bytes: int = 0) -> int:
+    """Blocks from a token budget, or from the device's free memory (see engine/memory.py)."""
     if kv_cache_tokens is not None:
         return max(1, math.ceil(kv_cache_tokens / block_size))
     if device.type == "cuda":
+        from specdec.engine.memory import kv_budget_bytes
+
         free, _ = torch.cuda.mem_get_info(device)
-        budget = int(free * memory_fraction)
+        budget = kv_budget_bytes(free, memory_fraction, step_bytes)
     else:  # CPU: 32k tokens, at most 1 GiB
         tokens = min(32768, (1 << 30) // KVCache.bytes_per_token(config, dtype))
         return max(1, tokens // block_size)
