@@ -100,6 +100,8 @@ class LLM:
 
                 controller = RankZeroController(controller)
             self.engine.set_speculator(spec, controller)
+        if self.engine.config.precapture:
+            self.engine.precapture_graphs()
 
     @property
     def is_main_rank(self) -> bool:

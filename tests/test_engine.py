@@ -155,3 +155,17 @@ def test_memory_budget_leaves_room_for_the_largest_step(qwen3_dir):
     assert kv_budget_bytes(10 << 30, 0.9, step) == int((10 << 30) * 0.9) - step - GRAPH_RESERVE_BYTES
     assert kv_budget_bytes(1 << 20, 0.9, step) == 0
     assert llm.generate([5, 6, 7], GREEDY)[0].token_ids  # the throw-away cache left the engine intact
+
+
+def test_precapturing_every_shape_touches_no_sequence(qwen3_dir, alone):
+    """Start-up capture runs each (batch, q, context) shape on padding rows only (here eagerly, on CPU)."""
+    llm = LLM(qwen3_dir, device="cpu", kv_cache_tokens=2048, block_size=4, static_shapes=True, max_graph_batch=8,
+              max_graph_context=256)
+    static = llm.engine.runner.static
+    before = [k.clone() for k, _ in llm.engine.kv_cache.layers]
+    assert static.precapture([1, 3]) == 2 * 4 * 1  # q in {1, 3} x batch {8, 4, 2, 1} x context {256}
+    scratch = static.kv_cache.scratch_block * static.block_size
+    for old, (new, _) in zip(before, llm.engine.kv_cache.layers):
+        assert torch.equal(old[:scratch], new[:scratch])  # only the scratch block was written
+    assert llm.engine.precapture_graphs() == 0  # nothing to capture on a CPU
+    assert [o.token_ids for o in llm.generate(prompts(6), GREEDY)] == alone

@@ -27,6 +27,7 @@ class EngineConfig:
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     static_shapes: bool | None = None  # pad decode/verify steps to fixed shapes (default: on GPU only)
     cuda_graphs: bool = True  # capture fixed-shape steps as CUDA graphs (GPU only)
+    precapture: bool = True  # capture every shape at start-up rather than at first use
     max_graph_batch: int = 256
     max_graph_context: int = 8192
     fused_kernels: bool = False  # torch.compile the elementwise pieces on GPU (specdec.models.fused)
@@ -162,6 +163,20 @@ class Engine:
 
     def set_speculator(self, speculator, controller) -> None:
         self.speculator, self.controller = speculator, controller
+
+    def precapture_graphs(self) -> int:
+        """Capture the CUDA graphs of every decode / verify shape (and the drafter's) before serving.
+
+        q values: 1 (decode) and k + 1 for each k the controller may choose.  Returns how many shapes."""
+        static = self.runner.static
+        if static is None or not static.capture:
+            return 0
+        ks = self.controller.candidates() if self.controller is not None else [0]
+        count = static.precapture([k + 1 for k in ks])
+        drafter_static = getattr(getattr(self.speculator, "runner", None), "static", None)
+        if drafter_static is not None:
+            count += drafter_static.precapture([1, 2])  # chained single tokens; catch-up after full acceptance
+        return count
 
     def _propose(self) -> int:
         """Drafts for every decoding request; k from the controller, capped by what may still be generated.

@@ -70,6 +70,18 @@ class StaticRunner:
         # a short prefill feeds several prompt tokens but samples only after the last one
         return [logits[i * q + s.num_new - 1 - s.num_drafts:i * q + s.num_new] for i, s in enumerate(seqs)]
 
+    def precapture(self, qs: list[int]) -> int:
+        """Capture (on a CPU: run) every (batch, q, context) shape for the given q values up front, largest
+        batch first, so that no served step pays for a capture.  Returns the number of shapes."""
+        batches = [1 << i for i in range(self.max_batch.bit_length())]
+        contexts = [c for c in (256 << i for i in range(20)) if c <= self.max_context]
+        shapes = [(b, q, c) for q in sorted(set(qs)) if 1 <= q <= self.max_q
+                  for b in reversed(batches) for c in contexts]
+        for batch, q, context in shapes:
+            self._fill([], q, batch)  # padding rows only: scratch slots, no real sequence is touched
+            self._forward(batch, q, context)
+        return len(shapes)
+
     def _fill(self, seqs: list[ScheduledSeq], q: int, batch: int) -> None:
         ids, positions, slots, ctx, tables = [], [], [], [], []
         scratch = self.kv_cache.scratch_block
