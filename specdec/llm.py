@@ -28,6 +28,12 @@ class Completion:
     num_drafted: int = 0
     num_accepted: int = 0
     num_cached_prompt_tokens: int = 0
+    accepted_per_position: list[int] = dataclasses.field(default_factory=list)  # [j]: steps accepting draft j
+
+    @property
+    def tokens_per_step(self) -> float:
+        """Mean tokens emitted per target step that produced tokens (1.0 without speculation)."""
+        return len(self.token_ids) / max(1, self.num_steps)
 
 
 def pick_device(device: str | torch.device | None) -> torch.device:
@@ -146,7 +152,8 @@ class LLM:
             text = self.tokenizer.decode(req.output_token_ids) if self.tokenizer is not None else ""
         return Completion(req.request_id, req.prompt_token_ids, list(req.output_token_ids), text,
                           req.finish_reason or "abort", req.logprobs if req.params.logprobs is not None else None,
-                          req.num_steps, req.num_drafted, req.num_accepted, req.num_cached_prefix)
+                          req.num_steps, req.num_drafted, req.num_accepted, req.num_cached_prefix,
+                          list(req.accepted_per_position))
 
     def score(self, sequences: Sequence[Sequence[int]]) -> list[list[float]]:
         """For each token list, log p(token_i | tokens_<i) for i >= 1."""

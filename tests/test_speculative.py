@@ -211,3 +211,12 @@ def test_goodput_guard_turns_off_speculation_that_measurably_loses():
         ctl.observe_step(1, k, 3 if k else 1, 1.2 if k else 1.0)  # speculation pays: keep it
     assert sum(ctl.choose(["a"], 0) > 0 for _ in range(32)) >= 28
     assert GoodputGuard.bucket(1) == 0 and GoodputGuard.bucket(8) == 3 and GoodputGuard.bucket(9) == 4
+
+
+def test_per_request_speculation_metrics(qwen3_dir):
+    llm = spec_llm(qwen3_dir, SpecConfig("draft", model=str(qwen3_dir), num_draft_tokens=3, adaptive=False))
+    out = llm.generate(mixed_prompts(1), GREEDY)[0]
+    assert out.num_accepted == out.num_drafted > 0  # identical drafter
+    assert out.accepted_per_position[0] >= out.accepted_per_position[-1] > 0
+    assert sum(out.accepted_per_position) == out.num_accepted
+    assert out.tokens_per_step == len(out.token_ids) / out.num_steps > 2.0

@@ -210,6 +210,10 @@ class Engine:
         req.num_steps += 1
         req.num_drafted += seq.num_drafts
         req.num_accepted += accepted
+        if accepted > len(req.accepted_per_position):
+            req.accepted_per_position += [0] * (accepted - len(req.accepted_per_position))
+        for j in range(accepted):
+            req.accepted_per_position[j] += 1
         self._count_speculation(seq.num_drafts, accepted)
         if self.controller is not None:
             self.controller.acceptance.update(req.request_id, seq.num_drafts, accepted)

@@ -57,6 +57,7 @@ class Request:
         self.num_steps = 0  # verify/decode steps that produced tokens
         self.num_drafted = 0
         self.num_accepted = 0
+        self.accepted_per_position: list[int] = []  # [j]: verify steps in which draft j was accepted
 
     @property
     def all_token_ids(self) -> list[int]:
