@@ -15,7 +15,6 @@ import time
 
 import torch
 
-from specdec.engine.kv_cache import block_hash
 from specdec.engine.request import Request
 from specdec.models.transformer import CausalLM
 from specdec.sampling import SamplingParams
@@ -101,10 +100,6 @@ class PrefixCachedDrafter:
         shadow = self.speculator.shadows.get(req.request_id)
         if shadow is None:  # no drafts for this one (context too long, or the cache was full)
             return
-        size = self.blocks.block_size
         context = req.prompt_token_ids
-        full_blocks = min(len(context), shadow.seq.num_computed) // size
-        hashes = shadow.seq.block_hashes
-        for i in range(len(hashes), full_blocks):
-            hashes.append(block_hash(hashes[-1] if hashes else None, context[i * size:(i + 1) * size]))
-            self.blocks.register(shadow.seq.block_ids[i], hashes[-1])
+        self.blocks.register_full_blocks(context, shadow.seq.block_ids, shadow.seq.block_hashes,
+                                         min(len(context), shadow.seq.num_computed))

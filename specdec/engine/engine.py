@@ -7,7 +7,7 @@ import time
 
 import torch
 
-from specdec.engine.kv_cache import BlockManager, KVCache, block_hash, num_blocks_for
+from specdec.engine.kv_cache import BlockManager, KVCache, num_blocks_for
 from specdec.engine.request import Request, Status, TokenLogprobs
 from specdec.engine.runner import ModelRunner
 from specdec.engine.sampler import sample_tokens
@@ -293,14 +293,7 @@ class Engine:
 
     def _register_full_blocks(self, req: Request) -> None:
         """Hash every newly full block of committed tokens so later prompts can reuse it."""
-        size = self.blocks.block_size
-        tokens = req.all_token_ids
-        while len(req.block_hashes) < req.num_computed // size:
-            i = len(req.block_hashes)
-            parent = req.block_hashes[-1] if req.block_hashes else None
-            h = block_hash(parent, tokens[i * size:(i + 1) * size])
-            self.blocks.register(req.block_ids[i], h)
-            req.block_hashes.append(h)
+        self.blocks.register_full_blocks(req.all_token_ids, req.block_ids, req.block_hashes, req.num_computed)
 
     # ------------------------------------------------------------------ scoring
 

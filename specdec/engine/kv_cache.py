@@ -82,6 +82,14 @@ class BlockManager:
             if self.ref_count[b] == 0:
                 self.free_blocks[b] = None
 
+    def register_full_blocks(self, tokens: list[int], block_ids: list[int], hashes: list[int], num_tokens: int) -> None:
+        """Extend the hash chain `hashes` over every full block of tokens[:num_tokens] not hashed yet, and
+        register each block so that later prompts with the same prefix can reuse it."""
+        size = self.block_size
+        for i in range(len(hashes), num_tokens // size):
+            hashes.append(block_hash(hashes[-1] if hashes else None, tokens[i * size:(i + 1) * size]))
+            self.register(block_ids[i], hashes[-1])
+
     def register(self, block: int, h: int) -> None:
         if h not in self.block_of:
             self.block_of[h] = block
