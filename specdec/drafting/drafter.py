@@ -18,7 +18,7 @@ import torch
 from specdec.engine.request import Request
 from specdec.models.transformer import CausalLM
 from specdec.sampling import SamplingParams
-from specdec.speculate.draft_model import DraftModelSpeculator, Shadow
+from specdec.speculate.draft_model import DraftModelSpeculator
 
 GREEDY = SamplingParams(max_tokens=1, temperature=0.0)
 _ids = itertools.count()
@@ -87,12 +87,7 @@ class PrefixCachedDrafter:
         req = Request(context, GREEDY, self.device, request_id=f"draft-{next(_ids)}")
         cached, hashes = self.blocks.cached_prefix(context)
         self.blocks.acquire(cached)
-        shadow = Shadow(self.device, None)
-        shadow.seq.prompt_token_ids = context[:len(cached) * self.blocks.block_size]
-        shadow.seq.num_computed = len(shadow.seq.prompt_token_ids)
-        shadow.seq.block_ids = cached
-        shadow.seq.block_hashes = hashes
-        self.speculator.shadows[req.request_id] = shadow
+        self.speculator.adopt(req.request_id, context[:len(cached) * self.blocks.block_size], cached, hashes)
         return req
 
     def _cache_context_blocks(self, req: Request) -> None:

@@ -91,6 +91,16 @@ class DraftModelSpeculator(Speculator):
             # the last draft was never fed: the shadow's cache ends one token earlier
             self._shadow(req).seq.prompt_token_ids.pop()
 
+    def adopt(self, request_id: str, tokens: list[int], block_ids: list[int], block_hashes: list[int]) -> None:
+        """Start a request's shadow on blocks that already hold the drafter's keys/values for `tokens`
+        (the /draft server's prefix cache); the caller has taken a reference to each block."""
+        shadow = Shadow(self.device, None)
+        shadow.seq.prompt_token_ids = list(tokens)
+        shadow.seq.num_computed = len(tokens)
+        shadow.seq.block_ids = list(block_ids)
+        shadow.seq.block_hashes = list(block_hashes)
+        self.shadows[request_id] = shadow
+
     def release(self, request: Request) -> None:
         shadow = self.shadows.pop(request.request_id, None)
         if shadow is not None:
