@@ -185,3 +185,76 @@ def test_resume_continues_and_mismatch_is_refused(tiny, tmp_path):
     other = _run(tiny["base"], out, tiny["heldout"], tiny["prompts"], max_new_tokens=8)
     with pytest.raises(pipeline.RunMismatchError, match="max_new_tokens"):
         pipeline.run_pipeline(other, quiet=True)
+
+
+@pytest.fixture(scope="module")
+def topk_run(tiny, tmp_path_factory):
+    """A short run whose KL term is taken over the target's cached top-4 (the target is not loaded to train)."""
+    run = _run(tiny["base"], tmp_path_factory.mktemp("topk") / "run", tiny["heldout"], tiny["prompts"], qat_steps=0,
+               formats=("bf16",), verify=False, eval_every=100, topk_kl=4)
+    run.train.kl_weight, run.train.max_steps, run.train.log_every, run.train.warmup_steps = 1.0, 8, 1, 1
+    pipeline.run_pipeline(run, quiet=True)
+    return run
+
+
+def test_topk_cached_with_the_continuations(topk_run):
+    import numpy as np
+
+    cache = Path(topk_run.out) / "continuations"
+    assert len(list(cache.glob("shard-*.topk.npz"))) == 3
+    records = pipeline.read_shards(cache, topk=4)
+    assert len(records) == 24
+    for r in records:
+        assert r["top_ids"].dtype == np.int32 and r["top_logprobs"].dtype == np.float16
+        assert r["top_ids"].shape == r["top_logprobs"].shape == (len(r["continuation"]), 4)
+        assert r["top_ids"][:, 0].tolist() == r["continuation"]  # greedy: the best of the top-K is the token
+        assert (np.diff(r["top_logprobs"].astype(np.float32), axis=1) <= 0).all()
+    assert "top-4 log-probs" in (Path(topk_run.out) / "DATA_MANIFEST.md").read_text()
+
+
+def test_topk_kl_is_zero_for_the_target_and_positive_otherwise(topk_run):
+    import numpy as np
+
+    from specdec.train.distill import PairBatcher, load_model, topk_kl
+
+    records = pipeline.read_shards(Path(topk_run.out) / "continuations", topk=4)
+    pairs = [(np.asarray(r["prompt"]), np.asarray(r["continuation"]), r["top_ids"].astype(np.int64),
+              r["top_logprobs"].astype(np.float32)) for r in records]
+    ids, ce_mask, _, top_ids, top_logp = PairBatcher(pairs, 64, 16, 0).next(torch.device("cpu"))
+    means = {}
+    with torch.no_grad():
+        for name, model_dir in (("target", topk_run.target), ("base", topk_run.base)):
+            kl = topk_kl(load_model(model_dir, "cpu")(input_ids=ids[:, :-1]).logits.float(), top_ids, top_logp)
+            assert (kl >= -1e-6).all()
+            means[name] = float((kl * ce_mask).sum() / ce_mask.sum())
+    # measured: 1e-7 (the engine's float16-stored log-probs against transformers' forward) and 0.28
+    assert means["target"] < 1e-5 and means["base"] > 0.05, means
+
+
+def test_topk_kl_run_trains(topk_run):
+    events = [json.loads(line) for line in (Path(topk_run.out) / "train_log.jsonl").read_text().splitlines()]
+    losses = [e["loss"] for e in events if e["event"] == "train"]
+    assert len(losses) == 8 and losses[-1] < losses[0], losses
+    assert json.loads((Path(topk_run.out) / "run.json").read_text())["topk_kl"] == 4
+
+
+def test_topk_resume_regenerates_a_lost_shard_and_refuses_another_loss(topk_run, tmp_path):
+    import dataclasses
+    import shutil
+
+    out = tmp_path / "run"
+    shutil.copytree(topk_run.out, out)
+    (out / "continuations" / "shard-00001.jsonl").unlink()
+    (out / "continuations" / "shard-00001.topk.npz").unlink()
+    (out / "train_log.jsonl").write_text("")
+    pipeline.run_pipeline(dataclasses.replace(topk_run, out=str(out)), quiet=True)
+    cont = next(json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()
+                if json.loads(line)["event"] == "continuations")
+    assert (cont["cached"], cont["to_generate"]) == (16, 8)
+    assert len(list((out / "continuations").glob("shard-*.topk.npz"))) == 3  # the lost one made again (00003)
+    again, first = ({r["id"]: r for r in pipeline.read_shards(run / "continuations", topk=4)}
+                    for run in (out, Path(topk_run.out)))
+    assert again.keys() == first.keys()
+    assert all((again[i]["top_ids"] == first[i]["top_ids"]).all() for i in first)
+    with pytest.raises(pipeline.RunMismatchError, match="topk_kl"):
+        pipeline.run_pipeline(dataclasses.replace(topk_run, out=str(out), topk_kl=0), quiet=True)

@@ -209,7 +209,10 @@ class DistillConfig(TrainConfig):
 
 class PairBatcher:
     """Batches ``[B, seq_len + 1]`` of right-padded (prompt + continuation) pairs, optionally mixed with
-    plain corpus windows, and their loss masks over the predicted positions ``[B, seq_len]``."""
+    plain corpus windows, and their loss masks over the predicted positions ``[B, seq_len]``.
+
+    A pair may carry the target's cached top-K per continuation token, ``(prompt, cont, top_ids [n, K],
+    top_logprobs [n, K])``: then each batch also holds them aligned with the predicted positions."""
 
     def __init__(self, pairs: list[tuple[np.ndarray, np.ndarray]], seq_len: int, batch_size: int, pad_id: int,
                  corpus_stream: np.ndarray | None = None, corpus_fraction: float = 0.0, seed: int = 0):
@@ -222,39 +225,65 @@ class PairBatcher:
         self.n_pairs = batch_size - self.n_corpus
         self.windows = WindowSampler(corpus_stream, seq_len, self.n_corpus, seed + 1) if self.n_corpus else None
         self.last_tokens = 0  # real (non-pad) positions of the last batch, counted without a device sync
+        self.topk = pairs[0][2].shape[1] if pairs and len(pairs[0]) == 4 else 0
 
-    def next(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(ids ``[B, T+1]``, ce_mask ``[B, T]``, kl_mask ``[B, T]``): masks are over targets ``ids[:, 1:]``."""
+    def next(self, device: torch.device) -> tuple[torch.Tensor, ...]:
+        """(ids ``[B, T+1]``, ce_mask ``[B, T]``, kl_mask ``[B, T]``): masks are over targets ``ids[:, 1:]``;
+        with cached top-K also (top_ids ``[B, T, K]``, top_logprobs ``[B, T, K]``), set where ce_mask is."""
         ids = np.full((self.n_pairs, self.width), self.pad_id, dtype=np.int64)
         ce = np.zeros((self.n_pairs, self.width - 1), dtype=np.float32)
         kl = np.zeros_like(ce)
+        top_ids = np.zeros((self.n_pairs, self.width - 1, self.topk), dtype=np.int64)
+        top_logp = np.zeros(top_ids.shape, dtype=np.float32)
         for row, i in enumerate(self.rng.integers(0, len(self.pairs), size=self.n_pairs)):
-            prompt, cont = self.pairs[i]
+            prompt, cont = self.pairs[i][:2]
             seq = np.concatenate([prompt, cont])[-self.width:]  # keep the continuation, cut the prompt's start
             n_cont = min(len(cont), len(seq) - 1)
             ids[row, : len(seq)] = seq
             ce[row, len(seq) - 1 - n_cont: len(seq) - 1] = 1.0  # positions whose target is a continuation token
             kl[row, : len(seq) - 1] = 1.0
-        batch = torch.from_numpy(ids).to(device), torch.from_numpy(ce).to(device), torch.from_numpy(kl).to(device)
+            if self.topk:
+                top_ids[row, len(seq) - 1 - n_cont: len(seq) - 1] = self.pairs[i][2][len(cont) - n_cont:]
+                top_logp[row, len(seq) - 1 - n_cont: len(seq) - 1] = self.pairs[i][3][len(cont) - n_cont:]
+        arrays = [ids, ce, kl] + ([top_ids, top_logp] if self.topk else [])
+        batch = tuple(torch.from_numpy(a).to(device) for a in arrays)
         self.last_tokens = int(kl.sum()) + self.n_corpus * (self.width - 1)
         if self.windows is None:
             return batch
         extra = self.windows.next(device)  # [b, T+1]: plain text, KL only
         zeros = torch.zeros(extra.shape[0], self.width - 1, device=device)
-        return (torch.cat([batch[0], extra]), torch.cat([batch[1], zeros]), torch.cat([batch[2], zeros + 1]))
+        rest = [torch.cat([t, t.new_zeros((extra.shape[0], *t.shape[1:]))]) for t in batch[3:]]
+        return (torch.cat([batch[0], extra]), torch.cat([batch[1], zeros]), torch.cat([batch[2], zeros + 1]), *rest)
 
 
-def distill_loss(draft, target, batch, kl_weight: float) -> torch.Tensor:
-    """Masked CE on continuation tokens + ``kl_weight`` * KL(target || draft) on the other mask."""
-    ids, ce_mask, kl_mask = batch  # [B, T+1], [B, T], [B, T]
+def topk_kl(logits: torch.Tensor, top_ids: torch.Tensor, top_logprobs: torch.Tensor) -> torch.Tensor:
+    """KL(target || draft) over the target's top-K support, per position: logits ``[..., V]``, top_ids and
+    top_logprobs ``[..., K]`` -> ``[...]``. Both distributions are renormalised over the K ids (the drafter's
+    log-softmax at those ids, minus its log-mass there), so it is 0 exactly when the drafter's relative
+    probabilities of the K ids equal the target's; pushing mass onto the support is left to the CE term."""
+    target_logp = F.log_softmax(top_logprobs.float(), dim=-1)
+    draft_logp = F.log_softmax(logits.gather(-1, top_ids), dim=-1)
+    return (target_logp.exp() * (target_logp - draft_logp)).sum(-1)
+
+
+def distill_loss(draft, target, batch, kl_weight: float, norms=None) -> torch.Tensor:
+    """Masked CE on continuation tokens + ``kl_weight`` * KL(target || draft): to the target's cached top-K
+    (``topk_kl``, on the continuation positions) when the batch carries it, else to the live ``target``'s
+    full distribution on the KL mask. ``norms``: the (CE, KL) denominators (default: the masks' sums;
+    data-parallel training passes the global batch's over the world size, so averaged gradients are the
+    global batch's)."""
+    ids, ce_mask, kl_mask = batch[:3]  # [B, T+1], [B, T], [B, T]
+    ce_norm, kl_norm = norms or (ce_mask.sum().clamp(min=1), kl_mask.sum().clamp(min=1))
     logits = draft(input_ids=ids[:, :-1]).logits.float()  # [B, T, V]
     ce = F.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten(), reduction="none").view_as(ce_mask)
-    loss = (ce * ce_mask).sum() / ce_mask.sum().clamp(min=1)
-    if kl_weight and target is not None:
+    loss = (ce * ce_mask).sum() / ce_norm
+    if kl_weight and len(batch) == 5:
+        loss = loss + kl_weight * (topk_kl(logits, batch[3], batch[4]) * ce_mask).sum() / ce_norm
+    elif kl_weight and target is not None:
         with torch.no_grad():
             target_logp = F.log_softmax(target(input_ids=ids[:, :-1]).logits.float(), dim=-1)  # [B, T, V]
         kl = F.kl_div(F.log_softmax(logits, dim=-1), target_logp, log_target=True, reduction="none").sum(-1)
-        loss = loss + kl_weight * (kl * kl_mask).sum() / kl_mask.sum().clamp(min=1)
+        loss = loss + kl_weight * (kl * kl_mask).sum() / kl_norm
     return loss
 
 

@@ -6,9 +6,11 @@
    refuses to start otherwise). The held-out set is only ever used for measuring.
 3. Continuations: the target's greedy continuations made by this project's engine
    (``LLM(target).generate(..., SamplingParams(temperature=0, max_tokens=N))``), a batch at a time, each
-   batch cached as a JSON-lines shard under ``OUT/continuations/``; a rerun generates only what is missing.
+   batch cached as a JSON-lines shard under ``OUT/continuations/`` (with ``--topk-kl K``, the target's top-K
+   log-probs of each continuation token beside it, ``shard-*.topk.npz``); a rerun generates only what is missing.
 4. Training (``specdec.train.distill``'s batches and loss): cross-entropy on the target's tokens, plus
-   optionally KL to the target's distributions; starts from ``--base`` (a general model, never a drafter
+   optionally KL to the target's distributions (full, from the live target; or, with ``--topk-kl``, to its
+   cached top-K, so the target is not loaded for training); starts from ``--base`` (a general model, never a drafter
    already trained for this target). Held-out tau (k = ``--k``) every ``--eval-every`` steps by the greedy
    walk (``specdec.drafting.walk``; teacher forced, equal to drafting autoregressively). Checkpoints every
    ``--checkpoint-every`` steps in ``OUT/checkpoint/``; a rerun with the same ``--out`` resumes.
@@ -20,6 +22,11 @@
 Provenance: ``OUT/DATA_MANIFEST.md`` (sources, splits, how obtained, overlap check, export sha256),
 ``OUT/train_log.jsonl`` (one JSON row per log / evaluation / export event), ``OUT/run.json`` (the settings;
 a resume with different data or models is refused) and ``OUT/result.json``.
+
+Several GPUs: under ``torchrun`` (``WORLD_SIZE`` > 1) rank 0 alone generates the continuations (the others
+wait, then read the cache); each rank trains on its share of every global batch (``--batch-size`` is the
+global batch) with the drafter in DistributedDataParallel; only rank 0 evaluates and writes checkpoints,
+exports, the manifest and the logs.
 """
 
 from __future__ import annotations
@@ -42,6 +49,7 @@ from specdec.train.lm import add_train_args, autocast, lr_factor, make_optimizer
 
 FORMATS = ("bf16", "fp8", "int4")
 SHARD_PREFIX = "shard-"
+TOPK_SUFFIX = ".topk.npz"
 
 
 class HeldoutOverlapError(ValueError):
@@ -75,6 +83,7 @@ class DrafterRun:
     verify: bool = True
     drop_overlap: bool = False  # leave out training prompts that overlap the held-out set instead of refusing
     engine_dtype: str | None = None
+    topk_kl: int = 0  # cache the target's top-K log-probs and use them (not the live target) for the KL term
     train: DistillConfig = dataclasses.field(default_factory=lambda: DistillConfig(kl_weight=0.0, corpus_fraction=0.0))
 
     def identity(self) -> dict[str, Any]:
@@ -82,18 +91,21 @@ class DrafterRun:
         return {"target": str(Path(self.target).resolve()), "base": str(Path(self.base).resolve()),
                 "sources": [str(Path(s).resolve()) for s in self.sources], "n_prompts": self.n_prompts,
                 "min_prompt": self.min_prompt, "max_prompt": self.max_prompt, "max_new_tokens": self.max_new_tokens,
-                "seed": self.train.seed, "seq_len": self.train.seq_len, "kl_weight": self.train.kl_weight}
+                "seed": self.train.seed, "seq_len": self.train.seq_len, "kl_weight": self.train.kl_weight,
+                **({"topk_kl": self.topk_kl} if self.topk_kl else {})}
 
 
 class TrainLog:
     """``train_log.jsonl``: appended, one event a line; also echoed on stderr."""
 
-    def __init__(self, path: Path, quiet: bool = False):
-        self.path, self.quiet = path, quiet
+    def __init__(self, path: Path | None, quiet: bool = False):
+        self.path, self.quiet = path, quiet  # path None: nothing written (data-parallel ranks other than 0)
 
     def __call__(self, event: str, **fields) -> dict:
         row = {"time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "event": event,
                **fields}
+        if self.path is None:
+            return row
         with open(self.path, "a", encoding="utf-8") as fh:
             fh.write(json.dumps(row) + "\n")
         if not self.quiet:
@@ -198,34 +210,65 @@ def load_or_make_heldout(run: DrafterRun, llm_factory, log: TrainLog) -> tuple[l
 # ---------------------------------------------------------------------------------------------- continuations
 
 
-def read_shards(cache_dir: Path) -> list[dict]:
+def read_shards(cache_dir: Path, topk: int = 0) -> list[dict]:
+    """The cached records; with ``topk``, each record of a shard that has its ``.topk.npz`` with K = ``topk``
+    also gets ``top_ids`` (int32) and ``top_logprobs`` (float16), arrays ``[len(continuation), K]``."""
     from specdec.drafting.heldout import read_jsonl
 
     records: list[dict] = []
     for shard in sorted(cache_dir.glob(f"{SHARD_PREFIX}*.jsonl")):
-        records.extend(read_jsonl(shard))
+        rows = read_jsonl(shard)
+        top = shard.with_suffix(TOPK_SUFFIX)
+        if topk and top.is_file():
+            with np.load(top) as arrays:
+                if arrays["ids"].shape[1] == topk:
+                    bounds = arrays["offsets"]
+                    for n, row in enumerate(rows):
+                        row["top_ids"] = arrays["ids"][bounds[n]:bounds[n + 1]]
+                        row["top_logprobs"] = arrays["logprobs"][bounds[n]:bounds[n + 1]]
+        records.extend(rows)
     return records
 
 
+def write_topk(path: Path, completions) -> None:
+    """The target's top-K of each continuation token of ``completions`` (engine ``Completion`` with
+    ``logprobs``), concatenated: ``ids`` int32 and ``logprobs`` float16 ``[tokens, K]``, ``offsets`` per
+    completion ``[n + 1]``; written atomically."""
+    tops = [step.top for c in completions for step in c.logprobs]
+    lengths = [len(c.logprobs) for c in completions]
+    if lengths != [len(c.token_ids) for c in completions]:
+        raise RuntimeError("the engine returned log-probs for other tokens than the continuation's")
+    ids = np.array([[t for t, _ in top] for top in tops], dtype=np.int32).reshape(len(tops), -1)
+    logprobs = np.array([[lp for _, lp in top] for top in tops], dtype=np.float32).reshape(len(tops), -1)
+    tmp = path.with_suffix(".tmp.npz")
+    np.savez(tmp, ids=ids, logprobs=np.clip(logprobs, -6e4, 0).astype(np.float16),
+             offsets=np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64))
+    os.replace(tmp, path)
+
+
 def generate_continuations(llm_factory, prompts: Sequence[dict], cache_dir: Path, max_new_tokens: int,
-                           batch_size: int, log: TrainLog | None = None) -> list[dict]:
+                           batch_size: int, log: TrainLog | None = None, topk: int = 0) -> list[dict]:
     """``{"id", "source", "prompt", "continuation"}`` for every prompt, generated by the engine in batches;
-    each batch is written as one shard (atomically), and prompts already in a shard are not generated again."""
+    each batch is written as one shard (atomically), and prompts already in a shard are not generated again.
+    With ``topk``: the target's top-``topk`` log-probs too (``write_topk``, written before its shard)."""
     from specdec.sampling import SamplingParams
 
     cache_dir.mkdir(parents=True, exist_ok=True)
-    done = {r["id"]: r for r in read_shards(cache_dir)}
+    done = {r["id"]: r for r in read_shards(cache_dir, topk) if not topk or "top_ids" in r}
     todo = [p for p in prompts if p["id"] not in done]
-    shard_number = len(list(cache_dir.glob(f"{SHARD_PREFIX}*.jsonl")))
+    shards = sorted(cache_dir.glob(f"{SHARD_PREFIX}*.jsonl"))
+    shard_number = int(shards[-1].stem[len(SHARD_PREFIX):]) + 1 if shards else 0  # after the last, never over one
     if log:
         log("continuations", cached=len(prompts) - len(todo), to_generate=len(todo))
     llm = llm_factory() if todo else None
-    params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens)
+    params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens, logprobs=topk or None)
     for first in range(0, len(todo), batch_size):
         batch = todo[first:first + batch_size]
         outs = llm.generate([p["prompt"] for p in batch], params)
         records = [{**p, "continuation": list(o.token_ids)} for p, o in zip(batch, outs)]
         shard = cache_dir / f"{SHARD_PREFIX}{shard_number:05d}.jsonl"
+        if topk:
+            write_topk(shard.with_suffix(TOPK_SUFFIX), outs)
         tmp = shard.with_suffix(".tmp")
         tmp.write_text("".join(json.dumps(r) + "\n" for r in records))
         os.replace(tmp, shard)
@@ -234,6 +277,8 @@ def generate_continuations(llm_factory, prompts: Sequence[dict], cache_dir: Path
         if log:
             log("continuations-shard", shard=shard.name, prompts=len(records),
                 tokens=sum(len(r["continuation"]) for r in records))
+    if topk and todo:
+        done = {r["id"]: r for r in read_shards(cache_dir, topk)}
     return [done[p["id"]] for p in prompts]
 
 
@@ -348,8 +393,13 @@ def export_drafter(model, out_dir: Path, fmt: str, tokenizer_dir: Path, group_si
     return {"dir": str(out_dir), "sha256": write_weights_sha256(out_dir)}
 
 
-def train(run: DrafterRun, records: list[dict], heldout: list[dict], log: TrainLog) -> dict:
-    """The training loop (resumable): bf16 phase, exports, QAT phase, int4 export. Returns a summary."""
+def train(run: DrafterRun, records: list[dict], heldout: list[dict], log: TrainLog, rank: int = 0,
+          world: int = 1) -> dict:
+    """The training loop (resumable): bf16 phase, exports, QAT phase, int4 export. Returns a summary.
+
+    Data parallel (``world`` > 1, process group initialised): every rank draws the same global batch and
+    trains on rows ``rank::world`` of it, the losses normalised by the global batch's token counts, so the
+    averaged gradients equal the global batch's; only rank 0 evaluates, exports and saves."""
     from specdec.models.quant import enable_qat, qat_enabled
     from specdec.train.distill import _eos_ids, load_model
 
@@ -357,14 +407,15 @@ def train(run: DrafterRun, records: list[dict], heldout: list[dict], log: TrainL
     out = Path(run.out)
     device = pick_device(cfg.device)
     draft = load_model(run.base, device, dtype=torch.float32)
-    target = load_model(run.target, device) if cfg.kl_weight else None
+    target = load_model(run.target, device) if cfg.kl_weight and not run.topk_kl else None
     if target is not None:
         target.requires_grad_(False)
         if target.config.vocab_size != draft.config.vocab_size:
             raise ValueError(f"base vocab {draft.config.vocab_size} != target vocab {target.config.vocab_size}")
     eos = _eos_ids(draft)
     pad_id = draft.config.pad_token_id if draft.config.pad_token_id is not None else (eos or [0])[0]
-    pairs = [(np.asarray(r["prompt"], np.int64), np.asarray(r["continuation"], np.int64))
+    pairs = [(np.asarray(r["prompt"], np.int64), np.asarray(r["continuation"], np.int64),
+              *((r["top_ids"].astype(np.int64), r["top_logprobs"].astype(np.float32)) if run.topk_kl else ()))
              for r in records if r["continuation"]]
     batcher = PairBatcher(pairs, cfg.seq_len, cfg.batch_size, pad_id, seed=cfg.seed)
     ckpt = Checkpoint(out / "checkpoint")
@@ -384,23 +435,31 @@ def train(run: DrafterRun, records: list[dict], heldout: list[dict], log: TrainL
     tok_dir = Path(run.target)
 
     def evaluate(kind: str) -> None:
-        tau = heldout_tau(draft, heldout, run.k, cfg.eval_batch_size)
-        history.append(log("eval", kind=kind, step=step, tokens=tokens, qat=qat_enabled(draft), tau=tau))
+        if rank == 0:
+            tau = heldout_tau(draft, heldout, run.k, cfg.eval_batch_size)
+            history.append(log("eval", kind=kind, step=step, tokens=tokens, qat=qat_enabled(draft), tau=tau))
 
     def export(fmts: Sequence[str]) -> None:
         for fmt in fmts:
-            if fmt in run.formats and fmt not in exports:
+            if rank == 0 and fmt in run.formats and fmt not in exports:
                 exports[fmt] = export_drafter(draft, out / "export" / fmt, fmt, tok_dir, run.group_size, eos)
                 exports[fmt]["step"] = step
                 log("export", format=fmt, dir=exports[fmt]["dir"], sha256=exports[fmt]["sha256"])
 
     def save() -> None:
-        ckpt.save(draft, opt, {"step": step, "tokens": tokens, "qat": qat_enabled(draft), "history": history,
-                               "exports": exports, "rng": batcher.rng.bit_generator.state})
+        if rank == 0:
+            ckpt.save(draft, opt, {"step": step, "tokens": tokens, "qat": qat_enabled(draft), "history": history,
+                                   "exports": exports, "rng": batcher.rng.bit_generator.state})
 
     if step == 0:
         evaluate("base")
-    forward = torch.compile(draft) if cfg.compile else draft
+    forward = draft
+    if world > 1:
+        from torch.nn.parallel import DistributedDataParallel
+
+        forward = DistributedDataParallel(draft, device_ids=[torch.cuda.current_device()] if device.type == "cuda"
+                                          else None)
+    forward = torch.compile(forward) if cfg.compile else forward
     start, losses = time.monotonic(), []
     while step < total:
         in_qat = step >= cfg.max_steps
@@ -409,8 +468,10 @@ def train(run: DrafterRun, records: list[dict], heldout: list[dict], log: TrainL
         for group in opt.param_groups:
             group["lr"] = lr
         batch = batcher.next(device)
+        norms = (batch[1].sum().clamp(min=1) / world, batch[2].sum().clamp(min=1) / world)
+        batch = tuple(t[rank::world] for t in batch)  # this rank's share of the global batch
         with autocast(device):
-            loss = distill_loss(forward, target, batch, cfg.kl_weight)
+            loss = distill_loss(forward, target, batch, cfg.kl_weight, norms)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         if cfg.grad_clip:
@@ -419,7 +480,12 @@ def train(run: DrafterRun, records: list[dict], heldout: list[dict], log: TrainL
         step, tokens = step + 1, tokens + batcher.last_tokens
         losses.append(loss.item())
         if step % cfg.log_every == 0 or step == total:
-            log("train", step=step, tokens=tokens, lr=float(f"{lr:.4g}"), loss=round(sum(losses) / len(losses), 4),
+            mean = sum(losses) / len(losses)
+            if world > 1:  # each rank's share is scaled by the world size: their mean is the global batch's loss
+                mean = torch.tensor(mean, device=device)
+                torch.distributed.all_reduce(mean)
+                mean = mean.item() / world
+            log("train", step=step, tokens=tokens, lr=float(f"{lr:.4g}"), loss=round(mean, 4),
                 qat=in_qat, seconds=round(time.monotonic() - start, 2))
             losses.clear()
         if step == cfg.max_steps:
@@ -433,7 +499,7 @@ def train(run: DrafterRun, records: list[dict], heldout: list[dict], log: TrainL
             save()
     if cfg.max_steps == 0 and step == 0:
         export(["bf16", "fp8"])
-    if "int4" in run.formats and exports.get("int4", {}).get("step") != step:
+    if rank == 0 and "int4" in run.formats and exports.get("int4", {}).get("step") != step:
         exports.pop("int4", None)
         export(["int4"])  # after QAT (or, with --qat-steps 0, post-training quantization)
         exported = load_as_transformers(exports["int4"]["dir"], device)  # tau of what was written
@@ -464,7 +530,9 @@ def write_manifest(run: DrafterRun, source_rows: list[dict], heldout_info: dict,
         "## Continuations (training labels)", "",
         f"The target's greedy continuations (temperature 0, at most {run.max_new_tokens} tokens, EOS kept) made by "
         f"the specdec engine (`LLM(target).generate`), {run.gen_batch_size} prompts a batch, cached in "
-        f"`continuations/`: {len(records)} conversations, {n_tokens} continuation tokens.", "",
+        f"`continuations/`: {len(records)} conversations, {n_tokens} continuation tokens"
+        + (f"; with the target's top-{run.topk_kl} log-probs of each token (`shard-*{TOPK_SUFFIX}`)."
+           if run.topk_kl else "."), "",
         "## Held-out set (measuring only, never trained on)", "",
         f"- source: `{heldout_info['source']}` (sha256 `{heldout_info['sha256']}`)",
         f"- {heldout_info['conversations']} conversations, {heldout_info['tokens']} continuation tokens; "
@@ -495,7 +563,7 @@ def check_run_identity(run: DrafterRun) -> None:
     identity = run.identity()
     if path.is_file():
         recorded = json.loads(path.read_text())
-        diff = sorted(k for k in identity if recorded.get(k) != identity[k])
+        diff = sorted(k for k in identity.keys() | recorded.keys() if recorded.get(k) != identity.get(k))
         if diff:
             raise RunMismatchError(f"{run.out} holds a run with other {', '.join(diff)} (see {path}): use a new "
                                    "--out, or the same settings to resume")
@@ -506,14 +574,48 @@ def check_run_identity(run: DrafterRun) -> None:
 # ---------------------------------------------------------------------------------------------- the run
 
 
+def init_distributed(device: str | None) -> tuple[int, int, bool]:
+    """(rank, world size, whether this call made the process group): under ``torchrun`` (``WORLD_SIZE`` > 1)
+    the default process group (NCCL on CUDA, one GPU per local rank; gloo on CPU), else (0, 1, False)."""
+    import torch.distributed as dist
+
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1 and not dist.is_initialized():
+        return 0, 1, False
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size(), False
+    for name, value in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
+                        ("NVSHMEM_DISABLE_NVLS", "1")):
+        os.environ.setdefault(name, value)
+    cuda = pick_device(device).type == "cuda"
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    # rank 0 alone generates continuations and evaluates / exports while the others wait: a long timeout
+    dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(hours=2))
+    return dist.get_rank(), dist.get_world_size(), True
+
+
 def run_pipeline(run: DrafterRun, quiet: bool = False) -> dict:
-    """The whole pipeline; returns (and writes to ``OUT/result.json``) the summary."""
+    """The whole pipeline; returns (and writes to ``OUT/result.json``) the summary (on data-parallel ranks
+    other than 0: ``{}``)."""
+    rank, world, made = init_distributed(run.train.device)
+    try:
+        if run.train.batch_size % world:
+            raise ValueError(f"--batch-size {run.train.batch_size} (the global batch) is not a multiple of the "
+                             f"world size {world}")
+        return _run_pipeline(run, quiet, rank, world)
+    finally:
+        if made:
+            torch.distributed.destroy_process_group()
+
+
+def _run_pipeline(run: DrafterRun, quiet: bool, rank: int, world: int) -> dict:
     from specdec.llm import LLM
 
     out = Path(run.out)
     out.mkdir(parents=True, exist_ok=True)
-    check_run_identity(run)
-    log = TrainLog(out / "train_log.jsonl", quiet)
+    if rank == 0:
+        check_run_identity(run)
+    log = TrainLog(out / "train_log.jsonl" if rank == 0 else None, quiet or rank > 0)
     engine: list = []
 
     def llm_factory():
@@ -521,6 +623,8 @@ def run_pipeline(run: DrafterRun, quiet: bool = False) -> dict:
             engine.append(LLM(run.target, device=run.train.device, dtype=run.engine_dtype))
         return engine[0]
 
+    if rank > 0:
+        torch.distributed.barrier()  # rank 0 makes the held-out set and the continuations; then read its cache
     heldout, heldout_info = load_or_make_heldout(run, llm_factory, log)
     prompts, source_rows = load_prompt_sources(run.sources, Path(run.target), run.n_prompts, run.min_prompt,
                                                run.max_prompt, run.train.seed)
@@ -528,13 +632,18 @@ def run_pipeline(run: DrafterRun, quiet: bool = False) -> dict:
     n_checked, n_dropped, prompts = len(prompts), len(prompts) - len(kept), kept
     log("overlap-check", training_prompts=n_checked, heldout=len(heldout), dropped=n_dropped)
     records = generate_continuations(llm_factory, prompts, out / "continuations", run.max_new_tokens,
-                                     run.gen_batch_size, log)
+                                     run.gen_batch_size, log, run.topk_kl)
     engine.clear()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+    if rank == 0 and world > 1:
+        torch.distributed.barrier()
     overlap = (n_checked, n_dropped)
+    if rank > 0:
+        train(run, records, heldout, log, rank, world)
+        return {}
     write_manifest(run, source_rows, heldout_info, overlap, records, None)
-    summary = train(run, records, heldout, log)
+    summary = train(run, records, heldout, log, rank, world)
     write_manifest(run, source_rows, heldout_info, overlap, records, summary)
     taus = {row["kind"]: row["tau"] for row in summary["history"] if row["kind"] in ("base", "bf16", "int4")}
     result = {"k": run.k, "tau_base": taus.get("base"), "tau_bf16": taus.get("bf16"), "tau_int4": taus.get("int4"),
@@ -572,6 +681,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--gen-batch-size", type=int, default=256)
     parser.add_argument("--kl-weight", type=float, default=0.0, help="weight of KL to the target (0: CE only)")
+    parser.add_argument("--topk-kl", type=int, default=0, metavar="K",
+                        help="cache the target's top-K log-probs (K <= 20) with the continuations and take the KL "
+                             "over them (weight --kl-weight) instead of from the live target")
     parser.add_argument("--qat-steps", type=int, default=0, help="4-bit QAT steps after --max-steps")
     parser.add_argument("--group-size", type=int, default=32, help="4-bit group size")
     parser.add_argument("--k", type=int, default=16, help="draft length for tau")
@@ -586,14 +698,17 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.max_steps is None or args.max_minutes is not None:
         parser.error("give --max-steps (steps of the bf16 phase; --max-minutes is not supported here)")
+    if not 0 <= args.topk_kl <= 20:
+        parser.error("--topk-kl K: 1 <= K <= 20 (the engine's log-probs limit), or 0 for none")
     cfg = train_config_from_args(args, DistillConfig, kl_weight=args.kl_weight, corpus_fraction=0.0)
     run = DrafterRun(args.target, args.base, args.prompts, args.out, args.heldout, args.n_prompts, args.min_prompt,
                      args.max_prompt, args.max_new_tokens, args.gen_batch_size, args.max_new_tokens,
                      args.heldout_limit, args.qat_steps, args.group_size, args.k, args.eval_every,
                      args.checkpoint_every, tuple(args.formats), not args.no_verify, args.drop_overlap,
-                     args.engine_dtype, cfg)
+                     args.engine_dtype, args.topk_kl, cfg)
     result = run_pipeline(run)
-    print(json.dumps({k: result[k] for k in ("k", "tau_base", "tau_bf16", "tau_int4", "steps", "tokens")}))
+    if result:
+        print(json.dumps({k: result[k] for k in ("k", "tau_base", "tau_bf16", "tau_int4", "steps", "tokens")}))
     return 0
 
 
