@@ -321,17 +321,8 @@ class Engine:
         try:
             while req.num_computed < len(token_ids):
                 n = min(len(token_ids) - req.num_computed, self.config.max_num_batched_tokens)
-                chunks.append(self._forward_all_rows(ScheduledSeq(req, n, 0, samples=False)))  # [n, V]
+                chunks.append(self.runner.forward_all_rows(ScheduledSeq(req, n, 0, samples=False)))  # [n, V]
                 req.num_computed += n
         finally:
             self.blocks.release(req.block_ids)
         return torch.cat(chunks)
-
-    def _forward_all_rows(self, seq: ScheduledSeq) -> torch.Tensor:
-        req = seq.request
-        start = req.num_computed
-        ids = torch.tensor(req.all_token_ids[start:start + seq.num_new], device=self.device)
-        positions = torch.arange(start, start + seq.num_new, device=self.device)
-        slots = [self.runner._slot(req.block_ids, p) for p in range(start, start + seq.num_new)]
-        batch = self.runner._batch([seq], [0, seq.num_new], [start + seq.num_new], slots)
-        return self.model(ids, positions, batch, self.kv_cache.layers)

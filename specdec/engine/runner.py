@@ -46,6 +46,17 @@ class ModelRunner:
                             self._long(logits_rows))  # [sum(counts), V]
         return list(torch.split(logits, counts))
 
+    @torch.inference_mode()
+    def forward_all_rows(self, seq: ScheduledSeq) -> torch.Tensor:
+        """Logits [num_new, V] at every fed position of one sequence (scoring; always eager)."""
+        req = seq.request
+        start = req.num_computed
+        ids = self._long(req.all_token_ids[start:start + seq.num_new])
+        positions = torch.arange(start, start + seq.num_new, device=self.device)
+        slots = [self._slot(req.block_ids, p) for p in range(start, start + seq.num_new)]
+        batch = self._batch([seq], [0, seq.num_new], [start + seq.num_new], slots)
+        return self.model(ids, positions, batch, self.kv_cache.layers)
+
     def _slot(self, block_ids: list[int], position: int) -> int:
         return block_ids[position // self.block_size] * self.block_size + position % self.block_size
 
