@@ -16,6 +16,11 @@ import torch
 from specdec.models.config import ModelConfig
 
 
+def slot_of(block_ids: list[int], position: int, block_size: int) -> int:
+    """The cache slot of a sequence's token at `position`: offset position % block_size in its block."""
+    return block_ids[position // block_size] * block_size + position % block_size
+
+
 def block_hash(parent: int | None, tokens: list[int] | tuple[int, ...]) -> int:
     return hash((parent, tuple(tokens)))
 

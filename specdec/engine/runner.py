@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from specdec.engine.kv_cache import KVCache
+from specdec.engine.kv_cache import KVCache, slot_of
 from specdec.engine.scheduler import ScheduledSeq
 from specdec.models.attention import AttentionBatch
 from specdec.models.transformer import CausalLM
@@ -58,7 +58,7 @@ class ModelRunner:
         return self.model(ids, positions, batch, self.kv_cache.layers)
 
     def _slot(self, block_ids: list[int], position: int) -> int:
-        return block_ids[position // self.block_size] * self.block_size + position % self.block_size
+        return slot_of(block_ids, position, self.block_size)
 
     def _long(self, values) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from specdec.engine.kv_cache import KVCache
+from specdec.engine.kv_cache import KVCache, slot_of
 from specdec.engine.scheduler import ScheduledSeq
 from specdec.models.attention import AttentionBatch
 from specdec.models.transformer import CausalLM
@@ -92,7 +92,7 @@ class StaticRunner:
             fed = req.all_token_ids[start:start + seq.num_new - seq.num_drafts]
             ids += fed + req.draft_token_ids[:seq.num_drafts] + [0] * extra
             positions += range(start, start + q)
-            slots += [req.block_ids[p // self.block_size] * self.block_size + p % self.block_size
+            slots += [slot_of(req.block_ids, p, self.block_size)
                       for p in range(start, start + seq.num_new)]
             slots += [scratch * self.block_size + i % self.block_size for i in range(extra)]
             ctx.append(start + q)
