@@ -36,7 +36,6 @@ def copy_bandwidth_gbs(device: torch.device, gib: float = 4.0) -> float:
     src = torch.empty(n, dtype=torch.bfloat16, device=device)
     dst = torch.empty_like(src)
     seconds = timed(lambda: dst.copy_(src), device, repeats=10, warmup=2)
-    del src, dst
     return 2 * n * 2 / seconds / 1e9
 
 

@@ -24,7 +24,7 @@ from specdec import LLM, SamplingParams  # noqa: E402
 from specdec.assets import heldout_prompts_path  # noqa: E402
 from specdec.engine.engine import Engine, EngineConfig  # noqa: E402
 from specdec.models.loader import random_model  # noqa: E402
-from specdec.models.twin import SHAPES, make_twin  # noqa: E402
+from specdec.models.twin import make_twin  # noqa: E402
 
 
 def greedy_agreement(small_llm: LLM, twin, prompts: list[str], max_tokens: int) -> dict:

@@ -8,7 +8,7 @@ import time
 import torch
 
 from specdec.engine.kv_cache import BlockManager, KVCache, num_blocks_for
-from specdec.engine.request import Request, Status, TokenLogprobs
+from specdec.engine.request import Request, TokenLogprobs
 from specdec.engine.runner import ModelRunner
 from specdec.engine.sampler import sample_tokens
 from specdec.engine.scheduler import ScheduledSeq, Scheduler
