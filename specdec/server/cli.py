@@ -26,6 +26,11 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     return p
 
 
+def default_model_name(args: argparse.Namespace) -> str:
+    """MODEL, or "MODEL as SHAPE twin" for a scaled twin: a twin is always named for what it is."""
+    return f"{args.model} as {args.twin} twin" if getattr(args, "twin", None) else args.model
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -38,6 +43,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
         raise ConfigError("serve does not support --tensor-parallel-size yet: use specdec generate under torchrun")
     llm = LLM(args.model, speculator=spec_config_from_args(args), **engine_kwargs(args))
-    app = create_app(llm, args.served_model_name or args.model, args.api_key, int(args.max_body_mb * (1 << 20)))
+    app = create_app(llm, args.served_model_name or default_model_name(args), args.api_key,
+                     int(args.max_body_mb * (1 << 20)))
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0

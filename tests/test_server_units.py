@@ -1,4 +1,4 @@
-"""The Prometheus exposition of engine and speculator counters, from an engine snapshot."""
+"""Server pieces without a running server: the Prometheus exposition and the served model name."""
 
 from __future__ import annotations
 
@@ -22,3 +22,12 @@ def test_remote_speculator_counters_appear_only_with_it():
     assert "specdec_remote_draft_requests_total 10.0" in remote
     assert "specdec_remote_draft_failures_total 2.0" in remote
     assert "specdec_remote_draft_fallback 1.0" in remote
+
+
+def test_a_twin_is_served_under_a_name_that_says_so():
+    import argparse
+
+    from specdec.server.cli import default_model_name
+
+    assert default_model_name(argparse.Namespace(model="ref-target", twin="qwen3-8b")) == "ref-target as qwen3-8b twin"
+    assert default_model_name(argparse.Namespace(model="ref-target", twin=None)) == "ref-target"
