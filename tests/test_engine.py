@@ -89,11 +89,12 @@ def test_eos_and_stop_token_ids_end_generation(llm, alone):
     assert out.token_ids == alone[0][:alone[0].index(stop_at) + 1]
 
 
-def test_stop_strings_cut_text(llm):
+@pytest.mark.parametrize("at", [6, 30])  # early, and beyond the decoded tail window of the first tokens
+def test_stop_strings_cut_text(llm, at):
     text_prompt = "def add(a, b):"
-    full = llm.generate(text_prompt, SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))[0]
-    stop = full.text[6:8]
-    out = llm.generate(text_prompt, SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, stop=[stop]))[0]
+    full = llm.generate(text_prompt, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))[0]
+    stop = full.text[at:at + 2]
+    out = llm.generate(text_prompt, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, stop=[stop]))[0]
     assert out.finish_reason == "stop"
     assert out.text == full.text[:full.text.index(stop)]
 

@@ -271,6 +271,15 @@ class Engine:
         return None
 
     def _hit_stop_string(self, req: Request) -> bool:
+        """Whether the output now contains a stop string; on a hit req.text is the output cut before it.
+
+        Checked after every token, so a new hit ends in the newest tokens: only a tail window is decoded
+        (a character takes at most 4 byte-level tokens), and the whole output only once, on a hit.
+        """
+        window = 4 * max(len(s) for s in req.params.stop) + 8
+        tail = self.detokenize(req.output_token_ids[-window:])
+        if not any(s in tail for s in req.params.stop):
+            return False
         text = self.detokenize(req.output_token_ids)
         cut = min((i for i in (text.find(s) for s in req.params.stop) if i >= 0), default=-1)
         if cut < 0:
