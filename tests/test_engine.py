@@ -136,6 +136,15 @@ def test_fixed_shape_decode_steps_keep_outputs(qwen3_dir, alone):
     assert llm.engine.runner.static is not None
 
 
+def test_compiled_fixed_shape_steps_keep_outputs(qwen3_dir, alone):
+    """compile_graphs traces each padded shape with torch.compile (the "eager" backend here: dynamo's
+    capture of our forward, without a C++ toolchain) and keeps the tokens."""
+    llm = LLM(qwen3_dir, device="cpu", kv_cache_tokens=2048, block_size=4, static_shapes=True, max_graph_batch=8,
+              compile_graphs="eager")
+    assert llm.engine.runner.static._padded is not llm.engine.runner.static._padded_forward
+    assert [o.token_ids for o in llm.generate(prompts(6), GREEDY)] == alone
+
+
 def test_fixed_shape_short_prefills_keep_outputs(qwen3_dir):
     """A prompt of 2..33 tokens prefilled in one fixed-shape step samples after its last token only."""
     plain = LLM(qwen3_dir, device="cpu", kv_cache_tokens=2048, block_size=4)

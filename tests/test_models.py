@@ -58,3 +58,27 @@ def test_sharded_checkpoint_is_really_sharded(tmp_path):
     path = save_tiny(tmp_path, arch="llama", max_shard_size="20KB")
     assert (path / "model.safetensors.index.json").is_file()
     assert len(list(path.glob("model-*.safetensors"))) > 1
+
+
+def test_fused_projections_are_views_and_change_nothing(tmp_path):
+    """The engine reads q/k/v and gate/up with one GEMM each; the weights become views of the fused
+    tensors (no second copy), the logits stay those of transformers, and a weight replaced afterwards is
+    used (the fused path steps aside) rather than a stale copy."""
+    path = save_tiny(tmp_path, arch="qwen3")
+    ids = torch.randint(0, 96, (40,), generator=torch.Generator().manual_seed(3)).tolist()
+    llm = LLM(path, device="cpu", kv_cache_tokens=512, block_size=8)
+    attn, mlp = llm.model.model.layers[0].self_attn, llm.model.model.layers[0].mlp
+    assert attn.qkv is not None and mlp.gate_up is not None
+    fused = attn.qkv.weight
+    assert attn.k_proj.weight.data_ptr() == fused.data_ptr() + attn.q_proj.weight.numel() * fused.element_size()
+    ref = hf_logits(path, ids)
+    assert (llm.engine.all_logits(ids) - ref).abs().max().item() <= 1e-4
+
+    attn.v_proj.weight = torch.nn.Parameter(attn.v_proj.weight.detach() * 2)  # replaced, not updated in place
+    assert not attn.qkv.valid()
+    changed = llm.engine.all_logits(ids)
+    assert (changed - ref).abs().max().item() > 1e-3  # the new weight is in use
+    unfused = (attn.q_proj(torch.ones(1, attn.q_proj.in_features)), attn.v_proj(torch.ones(1, attn.v_proj.in_features)))
+    assert torch.equal(attn.project(torch.ones(1, attn.q_proj.in_features))[2], unfused[1])
+    assert llm.model.fuse_projections()  # fusing again picks the new weight up
+    assert attn.qkv.valid() and torch.allclose(llm.engine.all_logits(ids), changed, atol=1e-5)

@@ -31,6 +31,7 @@ class EngineConfig:
     max_graph_batch: int = 256
     max_graph_context: int = 8192
     fused_kernels: bool = False  # torch.compile the elementwise pieces on GPU (specdec.models.fused)
+    compile_graphs: str | None = None  # torch.compile backend for each fixed-shape step before capture
 
     def validate(self) -> None:
         if self.block_size <= 0:
@@ -38,6 +39,8 @@ class EngineConfig:
         if self.kv_cache_tokens is not None and self.kv_cache_tokens < self.block_size:
             raise ConfigError(f"kv_cache_tokens must be at least one block ({self.block_size}), "
                               f"got {self.kv_cache_tokens}")
+        if self.max_model_len is not None and self.max_model_len <= 1:
+            raise ConfigError(f"max_model_len must be at least 2 tokens, got {self.max_model_len}")
         if self.max_num_batched_tokens <= 0 or self.max_num_seqs <= 0:
             raise ConfigError("max_num_batched_tokens and max_num_seqs must be positive")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
@@ -88,7 +91,7 @@ class Engine:
         return StaticRunner(self.model, self.kv_cache, self.device, min(self.config.max_graph_batch,
                             self.config.max_num_seqs), max_q=33,
                             max_context=min(self.config.max_graph_context, self.max_model_len),
-                            capture=self.config.cuda_graphs)
+                            capture=self.config.cuda_graphs, compile_backend=self.config.compile_graphs)
 
     @property
     def capacity_tokens(self) -> int:

@@ -13,6 +13,7 @@ from specdec.models.transformer import CausalLM
 class ModelRunner:
     def __init__(self, model: CausalLM, kv_cache: KVCache, device: torch.device, static=None):
         self.model = model
+        model.fuse_projections()  # one GEMM for q/k/v and one for gate/up (weights become views: no copy)
         self.kv_cache = kv_cache
         self.device = device
         self.block_size = kv_cache.block_size

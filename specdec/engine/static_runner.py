@@ -12,6 +12,10 @@ Example: 3 sequences verifying 4, 4 and 2 drafts (q = 5) with 36, 89 and 40 toke
 as the (4, 5, 256) graph: rows 0..4, 5..9 and 10..12 are real, rows 13..14 pad the third sequence
 (positions 43, 44), rows 15..19 are a padding sequence with context 5 and positions 0..4.  The third
 sequence gets context 40 + 5 = 45: its query i still sees exactly the keys at positions <= 40 + i.
+
+With ``compile_backend`` (e.g. "inductor") the padded forward of each shape is compiled with
+``torch.compile`` before its graph is captured: elementwise chains fuse into a few Triton kernels, so the
+graph replays far fewer launches.  Each shape compiles separately, so this suits a short ladder.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ def _next_power_of_two(n: int) -> int:
 
 class StaticRunner:
     def __init__(self, model: CausalLM, kv_cache: KVCache, device: torch.device, max_batch: int, max_q: int,
-                 max_context: int, capture: bool):
+                 max_context: int, capture: bool, compile_backend: str | None = None):
         self.model = model
         self.kv_cache = kv_cache
         self.device = device
@@ -50,6 +54,9 @@ class StaticRunner:
         self.graphs: dict[tuple[int, int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = torch.cuda.graph_pool_handle() if self.capture else None
         self.replays = 0
+        self._padded = self._padded_forward
+        if compile_backend:
+            self._padded = torch.compile(self._padded_forward, backend=compile_backend, dynamic=False)
 
     def can_run(self, seqs: list[ScheduledSeq]) -> bool:
         q = max(s.num_new for s in seqs)
@@ -123,6 +130,9 @@ class StaticRunner:
 
     def _eager(self, batch: int, q: int, context: int) -> torch.Tensor:
         """The padded forward: logits [batch * q, V] for every row, padding included."""
+        return self._padded(batch, q, context)
+
+    def _padded_forward(self, batch: int, q: int, context: int) -> torch.Tensor:
         rows = batch * q
         attn = AttentionBatch(
             query_start=torch.arange(0, rows + 1, q, device=self.device),

@@ -8,6 +8,13 @@ Worked example (block_size 4): a sequence already holding 5 tokens in blocks [7,
 tokens (a 3-token verify step).  Its context length becomes 8, so it needs blocks [7, 2] and the
 new keys go to slots 2*4+1, 2*4+2, 2*4+3 = 9, 10, 11.  Query i (0..2) sits at position 5+i and
 sees key j iff j <= 5 + i, i.e. j <= context_len - query_len + i.
+
+Grouped-query attention: the gather reads each key/value row once per query head that uses it (query
+head h reads KV head h // G, G = heads / KV heads), so SDPA sees as many KV heads as query heads and can
+run its fused memory-efficient kernel with the additive mask; with ``enable_gqa`` and a mask PyTorch falls
+back to the unfused math kernels (about ten kernels per layer, and a [B, H, q, ctx] score tensor).
+Example (block_size 4, Hkv 2, G 2): key slot 9 of KV head 1 is flat row 9 * 2 + 1 = 19 of the cache
+viewed as [slots * Hkv, D]; query heads 2 and 3 both gather row 19.
 """
 
 from __future__ import annotations
@@ -32,6 +39,8 @@ class AttentionBatch:
     query_valid: torch.Tensor | None = None  # [B, max_q] bool
     key_slots: torch.Tensor | None = None  # [B, max_ctx] cache slot of each key (0 for padding)
     mask: torch.Tensor | None = None  # [B, 1, max_q, max_ctx] bool, True = may attend
+    _bias: dict = dataclasses.field(default_factory=dict)  # dtype -> additive mask (0 / -inf)
+    _kv_rows: dict = dataclasses.field(default_factory=dict)  # (Hkv, H) -> [B, max_ctx * H] cache rows
 
     @property
     def num_seqs(self) -> int:
@@ -55,24 +64,56 @@ class AttentionBatch:
         self.mask = (causal & key_valid[:, None, :]).unsqueeze(1)
         return self
 
+    def bias(self, dtype: torch.dtype) -> torch.Tensor:
+        """The mask as an additive bias [B, 1, max_q, max_ctx] (0 where allowed, -inf elsewhere), built once
+        per step and shared by every layer (SDPA would otherwise convert the boolean mask in each one)."""
+        if dtype not in self._bias:
+            self._bias[dtype] = torch.zeros(self.mask.shape, dtype=dtype, device=self.mask.device).masked_fill_(
+                ~self.mask, float("-inf"))
+        return self._bias[dtype]
+
+    def kv_rows(self, num_kv_heads: int, num_heads: int) -> torch.Tensor:
+        """[B, max_ctx * H] rows of the cache viewed as [slots * Hkv, D]: key position p of query head h
+        reads row key_slots[b, p] * Hkv + h // G (see the module docstring)."""
+        key = (num_kv_heads, num_heads)
+        if key not in self._kv_rows:
+            head = torch.arange(num_heads, device=self.key_slots.device) // (num_heads // num_kv_heads)  # [H]
+            rows = self.key_slots[:, :, None] * num_kv_heads + head  # [B, max_ctx, H]
+            self._kv_rows[key] = rows.reshape(self.num_seqs, -1)
+        return self._kv_rows[key]
+
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     """k_cache/v_cache [num_slots, Hkv, D]; k, v [T, Hkv, D]; writes row t to slot slot_mapping[t]."""
-    k_cache.index_copy_(0, slot_mapping, k.to(k_cache.dtype))
-    v_cache.index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+    # index_put_ (not index_copy_): torch.compile keeps it in place instead of copying the whole cache
+    k_cache[slot_mapping] = k.to(k_cache.dtype)
+    v_cache[slot_mapping] = v.to(v_cache.dtype)
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: AttentionBatch,
                     scale: float) -> torch.Tensor:
     """q [T, H, D] -> out [T, H, D], attending over each sequence's cached keys (gather + SDPA)."""
     num_heads, head_dim = q.shape[1], q.shape[2]
-    qp = q[batch.query_index].transpose(1, 2)  # [B, H, max_q, D]
-    kp = k_cache[batch.key_slots].transpose(1, 2).to(q.dtype)  # [B, Hkv, max_ctx, D]
-    vp = v_cache[batch.key_slots].transpose(1, 2).to(q.dtype)
-    out = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=batch.mask, scale=scale,
-                                         enable_gqa=kp.shape[1] != num_heads)  # [B, H, max_q, D]
+    if batch.uniform:  # flat rows are already [B, max_q] in order: a view, no gather
+        qp = q.view(batch.num_seqs, batch.max_query_len, num_heads, head_dim).transpose(1, 2)
+    else:
+        qp = q[batch.query_index].transpose(1, 2)  # [B, H, max_q, D]
+    kp, vp = gather_kv(k_cache, v_cache, batch, num_heads)  # [B, H, max_ctx, D] each
+    out = F.scaled_dot_product_attention(qp, kp.to(q.dtype), vp.to(q.dtype), attn_mask=batch.bias(q.dtype),
+                                         scale=scale)  # [B, H, max_q, D]
     out = out.transpose(1, 2)  # [B, max_q, H, D]
     if batch.uniform:  # rows are already in flat order; boolean indexing would sync (and break graphs)
         return out.reshape(-1, num_heads, head_dim)
     return out[batch.query_valid].reshape(-1, num_heads, head_dim)
+
+
+def gather_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, batch: AttentionBatch,
+              num_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each sequence's keys and values, one row per query head: [B, H, max_ctx, D] each (one gather each)."""
+    slots, num_kv_heads, head_dim = k_cache.shape
+    rows = batch.kv_rows(num_kv_heads, num_heads)  # [B, max_ctx * H]
+    shape = (batch.num_seqs, batch.max_context_len, num_heads, head_dim)
+    kp = k_cache.view(slots * num_kv_heads, head_dim)[rows].view(shape).transpose(1, 2)
+    vp = v_cache.view(slots * num_kv_heads, head_dim)[rows].view(shape).transpose(1, 2)
+    return kp, vp

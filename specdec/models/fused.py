@@ -32,6 +32,12 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return x * cos + rotated * sin
 
 
+def rms_norm_rotate(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor,
+                    sin: torch.Tensor) -> torch.Tensor:
+    """rotate(rms_norm(x)): Qwen3's per-head query/key norm followed by the rotary embedding."""
+    return rotate(rms_norm(x, weight, eps), cos, sin)
+
+
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
@@ -42,6 +48,7 @@ class Kernels:
     rms_norm = staticmethod(rms_norm)
     add_rms_norm = staticmethod(add_rms_norm)
     rotate = staticmethod(rotate)
+    rms_norm_rotate = staticmethod(rms_norm_rotate)
     silu_mul = staticmethod(silu_mul)
     fused = False
 
@@ -54,6 +61,7 @@ def enable_fused_kernels() -> bool:
     Kernels.rms_norm = staticmethod(compile_(rms_norm))
     Kernels.add_rms_norm = staticmethod(compile_(add_rms_norm))
     Kernels.rotate = staticmethod(compile_(rotate))
+    Kernels.rms_norm_rotate = staticmethod(compile_(rms_norm_rotate))
     Kernels.silu_mul = staticmethod(compile_(silu_mul))
     Kernels.fused = True
     return True

@@ -9,6 +9,7 @@ from torch import nn
 
 from specdec.models.config import ModelConfig
 from specdec.models.fused import Kernels
+from specdec.models.fused_linear import FusedProjection
 
 
 class RMSNorm(nn.Module):
@@ -26,6 +27,11 @@ class RMSNorm(nn.Module):
         """(x + delta, norm(x + delta))."""
         return Kernels.add_rms_norm(x, delta, self.weight, self.eps)
 
+    def rotate_forward(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """The rotary embedding of norm(x): x [T, heads, D], cos/sin [T, 1, D] (Qwen3's q/k norm)."""
+        cos, sin = cos_sin
+        return Kernels.rms_norm_rotate(x, self.weight, self.eps, cos, sin)
+
 
 class GatedMLP(nn.Module):
     """down(silu(gate(x)) * up(x))."""
@@ -35,9 +41,11 @@ class GatedMLP(nn.Module):
         self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
         self.up_proj = nn.Linear(hidden, intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.gate_up: FusedProjection | None = None  # set by CausalLM.fuse_projections()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(Kernels.silu_mul(self.gate_proj(x), self.up_proj(x)))
+        gate, up = self.gate_up(x) if self.gate_up is not None else (self.gate_proj(x), self.up_proj(x))
+        return self.down_proj(Kernels.silu_mul(gate, up))
 
 
 def rope_inverse_frequencies(config: ModelConfig) -> torch.Tensor:

@@ -12,6 +12,7 @@ from torch import nn
 
 from specdec.models.attention import AttentionBatch, paged_attention, write_kv
 from specdec.models.config import ModelConfig
+from specdec.models.fused_linear import FusedProjection, fuse
 from specdec.models.layers import GatedMLP, RMSNorm, Rotary
 
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: (k [slots, Hkv, D], v [slots, Hkv, D])
@@ -33,16 +34,27 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.qk_norm = config.qk_norm
+        self.qkv: FusedProjection | None = None  # set by fuse_projections()
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [T, hidden] -> q [T, H*D], k [T, Hkv*D], v [T, Hkv*D]."""
+        if self.qkv is not None:
+            q, k, v = self.qkv(x)
+            return q, k, v
+        return self.q_proj(x), self.k_proj(x), self.v_proj(x)
 
     def forward(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], batch: AttentionBatch,
                 kv_cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         tokens = x.shape[0]
-        q = self.q_proj(x).view(tokens, self.num_heads, self.head_dim)  # [T, H, D]
-        k = self.k_proj(x).view(tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
-        v = self.v_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = Rotary.forward(q, k, cos_sin)
+        q, k, v = self.project(x)
+        q = q.view(tokens, self.num_heads, self.head_dim)  # [T, H, D]
+        k = k.view(tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        v = v.view(tokens, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:  # per-head RMSNorm and the rotary embedding in one pass each
+            q = self.q_norm.rotate_forward(q, cos_sin)
+            k = self.k_norm.rotate_forward(k, cos_sin)
+        else:
+            q, k = Rotary.forward(q, k, cos_sin)
         k_cache, v_cache = kv_cache
         write_kv(k_cache, v_cache, k, v, batch.slot_mapping)
         out = paged_attention(q, k_cache, v_cache, batch, self.scale)  # [T, H, D]
@@ -82,6 +94,19 @@ class CausalLM(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    def fuse_projections(self) -> bool:
+        """One GEMM for q/k/v and one for gate/up in every layer (``specdec.models.fused_linear``); the
+        weights become views into the fused tensors.  Idempotent; returns whether every layer is fused."""
+        done = True
+        for layer in self.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            if attn.qkv is None or not attn.qkv.valid():
+                attn.qkv = fuse([attn.q_proj, attn.k_proj, attn.v_proj])
+            if mlp.gate_up is None or not mlp.gate_up.valid():
+                mlp.gate_up = fuse([mlp.gate_proj, mlp.up_proj])
+            done = done and attn.qkv is not None and mlp.gate_up is not None
+        return done
 
     def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch,
                       kv_caches: KVCaches) -> torch.Tensor:
