@@ -29,6 +29,8 @@ QWEN3_8B = {"architectures": ["Qwen3ForCausalLM"], "hidden_size": 4096, "interme
             "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
             "vocab_size": 151936, "max_position_embeddings": 40960, "rope_theta": 1000000.0,
             "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "eos_token_id": 151645}
+QWEN3_06B = dict(QWEN3_8B, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
+                 num_key_value_heads=8, tie_word_embeddings=True)  # a drafter's shape (Qwen3-0.6B)
 TINY = dict(QWEN3_8B, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16, vocab_size=512, max_position_embeddings=8192, eos_token_id=1)
 
@@ -159,15 +161,17 @@ VARIANTS = {  # name -> make_engine options; the elementwise kernels, once compi
 }
 
 
-def variant_rows(model, args, vocab: int, gen, device) -> list[dict]:
+def variant_rows(model, args, vocab: int, gen, device, save=lambda rows: None) -> list[dict]:
     """Batch 1 and 8 at the first context with each speed-up variant: step time, graph replay vs eager,
     and (batch 1) a kernel profile. A failure is recorded as a finding, not a reason to lose the run."""
     if device.type != "cuda":
         return []
     rows = []
     context = int(args.contexts.split(",")[0])
-    for name, options in VARIANTS.items():
-        for batch in (1, 8):
+    names = [n for n in args.variants.split(",") if n]
+    for name in names:
+        options = VARIANTS[name]
+        for batch in (int(b) for b in args.variant_batches.split(",")):
             t0 = time.perf_counter()
             try:
                 engine = make_engine(model, batch, context, batch * 64 + context + 64 * (args.max_k + 2) * batch,
@@ -182,6 +186,7 @@ def variant_rows(model, args, vocab: int, gen, device) -> list[dict]:
                 rows.append({"variant": name, "batch": batch, "error": f"{type(exc).__name__}: {exc}"[:500]})
             rows[-1]["setup_s"] = time.perf_counter() - t0
             print(name, {k: v for k, v in rows[-1].items() if k != "profile"}, flush=True)
+            save(rows)
             torch.cuda.empty_cache()
     return rows
 
@@ -194,9 +199,16 @@ def main(argv=None) -> int:
     parser.add_argument("--contexts", default="512,4096")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--max-k", type=int, default=16)
+    parser.add_argument("--shape", default="qwen3-8b", choices=["qwen3-8b", "qwen3-0.6b"])
+    parser.add_argument("--skip-hf", action="store_true", help="skip the transformers comparison and its timing")
+    parser.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, of {', '.join(VARIANTS)}")
+    parser.add_argument("--variant-batches", default="1,8")
     args = parser.parse_args(argv)
+    unknown = [n for n in args.variants.split(",") if n and n not in VARIANTS]
+    if unknown:
+        parser.error(f"unknown variant(s) {unknown}; choose from {list(VARIANTS)}")
     device = torch.device("cpu" if args.tiny else "cuda")
-    config_dict = TINY if args.tiny else QWEN3_8B
+    config_dict = TINY if args.tiny else {"qwen3-8b": QWEN3_8B, "qwen3-0.6b": QWEN3_06B}[args.shape]
     dtype = torch.float32 if args.tiny else torch.bfloat16
     batches = [int(b) for b in args.batches.split(",")]
     contexts = [int(c) for c in args.contexts.split(",")]
@@ -208,8 +220,9 @@ def main(argv=None) -> int:
     wbytes = weight_bytes(model)
     results.update(copy_bandwidth_gbs=bw, weight_bytes=wbytes, floor_ms_bs1=wbytes / (bw * 1e9) * 1e3)
     print(f"copy bandwidth {bw:.0f} GB/s, weights {wbytes / 1e9:.2f} GB, floor {results['floor_ms_bs1']:.3f} ms")
-    results.update(check_against_transformers(model, config_dict, device, config_dict["vocab_size"]))
-    print({k: v for k, v in results.items() if k.startswith("hf_")})
+    if not args.skip_hf:
+        results.update(check_against_transformers(model, config_dict, device, config_dict["vocab_size"]))
+        print({k: v for k, v in results.items() if k.startswith("hf_")})
 
     table, verify, gen = [], [], torch.Generator().manual_seed(0)
     for context in contexts:
@@ -224,7 +237,7 @@ def main(argv=None) -> int:
                 row["graph_vs_eager_max_abs_diff"] = check_graph_replay(engine)
             if batch == 1 and context == contexts[0] and device.type == "cuda":
                 row["profile"] = kernel_profile(engine)
-            if context == contexts[0] and batch in (1, 8, 32):
+            if context == contexts[0] and batch in (1, 8, 32) and args.max_k > 0:
                 one = verify_cost_ms(engine, 0, config_dict["vocab_size"])
                 for k in range(args.max_k + 1):
                     ms_k = verify_cost_ms(engine, k, config_dict["vocab_size"])
@@ -242,8 +255,13 @@ def main(argv=None) -> int:
     results["wall_s"] = time.perf_counter() - t_start
     write_json(args.out, results)  # the main figures are safe even if a variant below runs out of time
     print(f"bs1: {bs1['step_ms']:.3f} ms/step = {1e3 / bs1['step_ms']:.0f} tok/s; floor {results['floor_ms_bs1']:.3f} ms "
-          f"({results['floor_fraction_bs1']:.0%} of floor); transformers static {results['hf_static_tok_s_bs1']:.0f} tok/s")
-    results["variants"] = variant_rows(model, args, config_dict["vocab_size"], gen, device)
+          f"({results['floor_fraction_bs1']:.0%} of floor); transformers static "
+          f"{results.get('hf_static_tok_s_bs1', float('nan')):.0f} tok/s")
+    def save(rows):
+        results["variants"], results["wall_s"] = rows, time.perf_counter() - t_start
+        write_json(args.out, results)
+
+    results["variants"] = variant_rows(model, args, config_dict["vocab_size"], gen, device, save)
     results["wall_s"] = time.perf_counter() - t_start
     write_json(args.out, results)
     for row in results["variants"]:
