@@ -178,4 +178,8 @@ def test_precapturing_every_shape_touches_no_sequence(qwen3_dir, alone):
     for old, (new, _) in zip(before, llm.engine.kv_cache.layers):
         assert torch.equal(old[:scratch], new[:scratch])  # only the scratch block was written
     assert llm.engine.precapture_graphs() == 0  # nothing to capture on a CPU
+    used = []
+    run_shape = static._forward
+    static._forward = lambda *shape: used.append(shape) or run_shape(*shape)
     assert [o.token_ids for o in llm.generate(prompts(6), GREEDY)] == alone
+    assert static.frozen and used and set(used) <= static.shapes  # other shapes ran eagerly, none was captured

@@ -54,12 +54,22 @@ class StaticRunner:
         self.graphs: dict[tuple[int, int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = torch.cuda.graph_pool_handle() if self.capture else None
         self.replays = 0
+        self.shapes: set[tuple[int, int, int]] = set()  # (batch, q, context) run by precapture()
+        self.frozen = False  # after precapture(): other shapes run eagerly instead of capturing mid-serve
         self._padded = self._padded_forward
         if compile_backend:
             self._padded = torch.compile(self._padded_forward, backend=compile_backend, dynamic=False)
 
+    def shape_of(self, seqs: list[ScheduledSeq]) -> tuple[int, int, int]:
+        """The (batch, q, context) bucket a step of these sequences is padded to."""
+        q = max(s.num_new for s in seqs)
+        context = _next_power_of_two(max(max(s.request.num_computed + q for s in seqs), 256))
+        return _next_power_of_two(len(seqs)), q, context
+
     def can_run(self, seqs: list[ScheduledSeq]) -> bool:
         q = max(s.num_new for s in seqs)
+        if self.frozen and self.shape_of(seqs) not in self.shapes:
+            return False  # e.g. a drafter catching up 7 tokens: one eager step beats a capture mid-serve
         return (len(seqs) <= self.max_batch and q <= self.max_q
                 and all(s.samples and s.request.num_tokens - s.request.num_computed == s.num_new - s.num_drafts
                         for s in seqs)
@@ -68,9 +78,7 @@ class StaticRunner:
     @torch.inference_mode()
     def run(self, seqs: list[ScheduledSeq]) -> list[torch.Tensor]:
         """Logits [q, V] per sequence (rows as in ModelRunner.forward)."""
-        q, n = max(s.num_new for s in seqs), len(seqs)
-        batch = _next_power_of_two(n)
-        context = _next_power_of_two(max(max(s.request.num_computed + q for s in seqs), 256))
+        batch, q, context = self.shape_of(seqs)
         self._fill(seqs, q, batch)
         logits = self._forward(batch, q, context)  # [batch * q, V]
         # the rows the sampler reads: after the last fed token and after each draft (see ModelRunner.forward);
@@ -79,7 +87,8 @@ class StaticRunner:
 
     def precapture(self, qs: list[int]) -> int:
         """Capture (on a CPU: run) every (batch, q, context) shape for the given q values up front, largest
-        batch first, so that no served step pays for a capture.  Returns the number of shapes."""
+        batch first, so that no served step pays for a capture; afterwards other shapes run eagerly
+        (``frozen``).  Returns the number of shapes."""
         batches = [1 << i for i in range(self.max_batch.bit_length())]
         contexts = [c for c in (256 << i for i in range(20)) if c <= self.max_context]
         shapes = [(b, q, c) for q in sorted(set(qs)) if 1 <= q <= self.max_q
@@ -87,6 +96,8 @@ class StaticRunner:
         for batch, q, context in shapes:
             self._fill([], q, batch)  # padding rows only: scratch slots, no real sequence is touched
             self._forward(batch, q, context)
+        self.shapes.update(shapes)
+        self.frozen = True
         return len(shapes)
 
     def _fill(self, seqs: list[ScheduledSeq], q: int, batch: int) -> None:
