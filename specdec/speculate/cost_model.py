@@ -21,8 +21,9 @@ from collections.abc import Callable
 
 import torch
 
-PRIOR_ACCEPTANCE = 0.5
+PRIOR_ACCEPTANCE = 0.8  # optimistic until measured: a pessimistic prior could keep k = 0 and never learn
 PRIOR_WEIGHT = 4.0  # the prior counts as this many tested drafts
+ENGINE_EVIDENCE = 16.0  # tested drafts engine-wide after which new requests start from the engine's rate
 DECAY = 0.98  # per-step forgetting of old acceptance evidence
 
 
@@ -67,14 +68,25 @@ def _sync(device: torch.device) -> None:
 
 
 class AcceptanceTracker:
-    """Per-request acceptance rate: accepted / tested drafts with a prior, decayed each update."""
+    """Per-request acceptance rate: accepted / tested drafts with a prior, decayed each update.
+
+    The prior is the engine-wide rate (all requests' evidence, decayed the same way) once there is enough
+    of it, and an optimistic PRIOR_ACCEPTANCE before: a drafter that has never been tried gets tried, and
+    the evidence then decides."""
 
     def __init__(self):
         self.accepted: dict[str, float] = {}
         self.tested: dict[str, float] = {}
+        self.engine_accepted = 0.0
+        self.engine_tested = 0.0
+
+    def prior(self) -> float:
+        if self.engine_tested >= ENGINE_EVIDENCE:
+            return self.engine_accepted / self.engine_tested
+        return PRIOR_ACCEPTANCE
 
     def rate(self, request_id: str) -> float:
-        a = self.accepted.get(request_id, 0.0) + PRIOR_ACCEPTANCE * PRIOR_WEIGHT
+        a = self.accepted.get(request_id, 0.0) + self.prior() * PRIOR_WEIGHT
         return a / (self.tested.get(request_id, 0.0) + PRIOR_WEIGHT)
 
     def update(self, request_id: str, num_drafts: int, num_accepted: int) -> None:
@@ -83,6 +95,8 @@ class AcceptanceTracker:
         tested = num_accepted + (1 if num_accepted < num_drafts else 0)  # drafts whose test was run
         self.accepted[request_id] = self.accepted.get(request_id, 0.0) * DECAY + num_accepted
         self.tested[request_id] = self.tested.get(request_id, 0.0) * DECAY + tested
+        self.engine_accepted = self.engine_accepted * DECAY + num_accepted
+        self.engine_tested = self.engine_tested * DECAY + tested
 
     def forget(self, request_id: str) -> None:
         self.accepted.pop(request_id, None)
@@ -97,12 +111,15 @@ def expected_tokens(alpha: float, k: int) -> float:
 class GoodputGuard:
     """Measured tokens/s with and without speculation per batch bucket; vetoes speculation that loses.
 
-    Every PROBE_EVERY-th step of a bucket runs the arm that is not currently preferred, so both
-    estimates stay fresh (a probe costs at most one slow step in PROBE_EVERY).
+    Every PROBE_EVERY steps of a bucket, PROBE_STEPS steps run the arm that is not currently preferred, so
+    both estimates stay fresh (a probe costs at most PROBE_STEPS slow steps in PROBE_EVERY).  A probe is
+    two steps long because the first step of speculation after plain steps also pays the drafter's
+    catch-up on the tokens it missed, which the controller does not count as the speculating rate.
     """
 
     EMA = 0.1
     PROBE_EVERY = 16
+    PROBE_STEPS = 2
     MARGIN = 0.97  # speculation must reach 97% of plain decoding's goodput to keep running
 
     def __init__(self):
@@ -120,7 +137,7 @@ class GoodputGuard:
         if spec is None or plain is None:  # unmeasured: alternate until both arms have a reading
             return spec is None
         prefer_spec = spec >= self.MARGIN * plain
-        probe = self.steps[b] % self.PROBE_EVERY == 0
+        probe = self.steps[b] % self.PROBE_EVERY < self.PROBE_STEPS
         return prefer_spec != probe
 
     def observe(self, batch: int, speculated: bool, tokens: int, seconds: float) -> None:
@@ -144,6 +161,7 @@ class KController:
         self.acceptance = AcceptanceTracker()
         self.guard = GoodputGuard()
         self.last_k = k_max
+        self._speculated = False  # did the previous observed step speculate?
 
     def candidates(self) -> list[int]:
         """The k values the controller picks from: 0, powers of two, k_max (few distinct verify shapes,
@@ -152,7 +170,9 @@ class KController:
 
     def observe_step(self, batch: int, k: int, tokens: int, seconds: float) -> None:
         """A finished step: `batch` decoding requests at `k` drafts emitted `tokens` in `seconds`."""
-        if self.adaptive:
+        switch_on = k > 0 and not self._speculated  # includes the drafter's catch-up: not the steady rate
+        self._speculated = k > 0
+        if self.adaptive and not switch_on:
             self.guard.observe(batch, k > 0, tokens, seconds)
 
     def choose(self, request_ids: list[str], other_tokens: int) -> int:
