@@ -82,3 +82,21 @@ def test_fused_projections_are_views_and_change_nothing(tmp_path):
     assert torch.equal(attn.project(torch.ones(1, attn.q_proj.in_features))[2], unfused[1])
     assert llm.model.fuse_projections()  # fusing again picks the new weight up
     assert attn.qkv.valid() and torch.allclose(llm.engine.all_logits(ids), changed, atol=1e-5)
+
+
+def test_fused_kernels_fall_back_to_plain_ones_when_compiling_fails(monkeypatch, caplog):
+    """A GPU without a working compiler keeps the plain kernels and says why (no crash at start-up)."""
+    from specdec.models import fused
+
+    def broken_compile(fn, **_):
+        def run(*args, **kwargs):
+            raise RuntimeError("no working Triton here")
+        return run
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch, "compile", broken_compile)
+    before = fused.Kernels.rms_norm
+    with caplog.at_level("WARNING", logger="specdec"):
+        assert fused.enable_fused_kernels() is False
+    assert fused.Kernels.rms_norm is before and not fused.Kernels.fused
+    assert "fused kernels unavailable" in caplog.text  # (here: no CUDA tensors or no Triton, whichever first)

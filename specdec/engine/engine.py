@@ -30,7 +30,7 @@ class EngineConfig:
     precapture: bool = True  # capture every shape at start-up rather than at first use
     max_graph_batch: int = 256
     max_graph_context: int = 8192
-    fused_kernels: bool = False  # torch.compile the elementwise pieces on GPU (specdec.models.fused)
+    fused_kernels: bool | None = None  # compiled elementwise kernels (specdec.models.fused); None: on a GPU
     compile_graphs: str | None = None  # torch.compile backend for each fixed-shape step before capture
 
     def validate(self) -> None:
@@ -69,7 +69,7 @@ class Engine:
         self.kv_cache = KVCache(mc, num_blocks, config.block_size, self.device, dtype)
         self.blocks = BlockManager(num_blocks, config.block_size)
         self.scheduler = Scheduler(self.blocks, config.max_num_batched_tokens, config.max_num_seqs)
-        if config.fused_kernels and self.device.type == "cuda":
+        if config.fused_kernels is not False and self.device.type == "cuda":
             from specdec.models.fused import enable_fused_kernels
 
             enable_fused_kernels()

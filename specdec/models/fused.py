@@ -54,14 +54,37 @@ class Kernels:
 
 
 def enable_fused_kernels() -> bool:
-    """Compile the elementwise pieces (GPU only); returns whether they are now in use."""
+    """Compile the elementwise pieces (GPU only); returns whether they are now in use.
+
+    Each compiled piece is tried once on a small tensor here; if compiling fails (no working Triton, an
+    unsupported GPU) the plain versions stay and a warning says why."""
     if Kernels.fused or not torch.cuda.is_available():
         return Kernels.fused
     compile_ = lambda fn: torch.compile(fn, dynamic=True, fullgraph=True)  # noqa: E731
-    Kernels.rms_norm = staticmethod(compile_(rms_norm))
-    Kernels.add_rms_norm = staticmethod(compile_(add_rms_norm))
-    Kernels.rotate = staticmethod(compile_(rotate))
-    Kernels.rms_norm_rotate = staticmethod(compile_(rms_norm_rotate))
-    Kernels.silu_mul = staticmethod(compile_(silu_mul))
+    compiled = {name: compile_(fn) for name, fn in (("rms_norm", rms_norm), ("add_rms_norm", add_rms_norm),
+                                                    ("rotate", rotate), ("rms_norm_rotate", rms_norm_rotate),
+                                                    ("silu_mul", silu_mul))}
+    try:
+        _try_compiled(compiled)
+    except Exception as exc:  # noqa: BLE001 - any compiler failure means: run the plain kernels
+        import logging
+
+        logging.getLogger("specdec").warning("fused kernels unavailable (%s: %s); using plain PyTorch ones",
+                                             type(exc).__name__, str(exc).splitlines()[0][:200])
+        return False
+    for name, fn in compiled.items():
+        setattr(Kernels, name, staticmethod(fn))
     Kernels.fused = True
     return True
+
+
+def _try_compiled(compiled: dict) -> None:
+    """Run every compiled piece once on small CUDA tensors (bf16, 3 rows of 2 heads x 64)."""
+    x = torch.randn(3, 2, 64, device="cuda", dtype=torch.bfloat16)
+    w = torch.ones(64, device="cuda", dtype=torch.bfloat16)
+    cos = sin = torch.ones(3, 1, 64, device="cuda", dtype=torch.bfloat16)
+    compiled["rms_norm"](x, w, 1e-6)
+    compiled["add_rms_norm"](x, x, w, 1e-6)
+    compiled["rotate"](x, cos, sin)
+    compiled["rms_norm_rotate"](x, w, 1e-6, cos, sin)
+    compiled["silu_mul"](x, x)
