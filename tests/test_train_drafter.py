@@ -258,3 +258,26 @@ def test_topk_resume_regenerates_a_lost_shard_and_refuses_another_loss(topk_run,
     assert all((again[i]["top_ids"] == first[i]["top_ids"]).all() for i in first)
     with pytest.raises(pipeline.RunMismatchError, match="topk_kl"):
         pipeline.run_pipeline(dataclasses.replace(topk_run, out=str(out), topk_kl=0), quiet=True)
+
+
+def test_model_arguments_take_short_names_and_refuse_unknown_ones(capsys):
+    import argparse
+
+    from specdec.assets import short_name_path
+    from specdec.train.drafter import model_dir_arg
+
+    parser = argparse.ArgumentParser(prog="specdec train drafter")
+    assert model_dir_arg(parser, "--target", "ref-target") == str(short_name_path("ref-target"))
+    with pytest.raises(SystemExit):
+        model_dir_arg(parser, "--base", "no-such-model")
+    assert "--base: unknown model 'no-such-model'" in capsys.readouterr().err
+
+
+def test_qat_only_run_quantizes_from_the_first_step(tiny, tmp_path):
+    """--max-steps 0 --qat-steps N (QAT of an already trained drafter): every step trains with 4-bit weights."""
+    run = _run(tiny["base"], tmp_path / "run", tiny["heldout"], tiny["prompts"], qat_steps=3, verify=False)
+    run.train.max_steps, run.eval_every = 0, 1
+    result = pipeline.run_pipeline(run, quiet=True)
+    evals = [h for h in result["curve"] if h["kind"] == "qat"]
+    assert evals and all(h["qat"] for h in evals)
+    assert {"bf16", "fp8", "int4"} <= set(result["exports"])

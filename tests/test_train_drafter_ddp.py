@@ -59,5 +59,7 @@ def test_two_ranks_train_the_same_drafter_as_one(tmp_path):
 
 def test_world_size_must_divide_the_batch(tmp_path, monkeypatch):
     monkeypatch.setattr(pipeline, "init_distributed", lambda device: (0, 3, False))
+    for name in ("target", "base"):  # the arguments must name directories; the check comes before any loading
+        (tmp_path / name).mkdir()
     with pytest.raises(ValueError, match="not a multiple of the world size 3"):
         pipeline.main(_argv(tmp_path, tmp_path / "out"))

@@ -431,6 +431,9 @@ def main(argv: list[str] | None = None) -> int:
     add_shape_args(parser, DRAFT_SHAPE)
     add_train_args(parser, DistillConfig())
     args = parser.parse_args(argv)
+    from specdec.train.drafter import model_dir_arg
+
+    args.target = model_dir_arg(parser, "--target", args.target)
     if args.max_steps is None and args.max_minutes is None:
         parser.error("give --max-steps or --max-minutes")
     cfg = train_config_from_args(args, DistillConfig, kl_weight=args.kl_weight, corpus_fraction=args.corpus_fraction)

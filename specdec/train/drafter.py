@@ -453,6 +453,9 @@ def train(run: DrafterRun, records: list[dict], heldout: list[dict], log: TrainL
 
     if step == 0:
         evaluate("base")
+    if step == cfg.max_steps and run.qat_steps and not qat_enabled(draft):  # no bf16 phase: QAT from the start
+        export(["bf16", "fp8"])
+        enable_qat(draft, run.group_size)
     forward = draft
     if world > 1:
         from torch.nn.parallel import DistributedDataParallel
@@ -664,6 +667,16 @@ def _run_pipeline(run: DrafterRun, quiet: bool, rank: int, world: int) -> dict:
     return result
 
 
+def model_dir_arg(parser: argparse.ArgumentParser, flag: str, value: str) -> str:
+    """A model directory from a short name (ref-target, ref-draft) or a path; a clear CLI error otherwise."""
+    from specdec.assets import resolve_model
+
+    try:
+        return str(resolve_model(value))
+    except FileNotFoundError as exc:
+        parser.error(f"{flag}: {exc}")
+
+
 def main(argv: list[str] | None = None) -> int:
     from specdec.train.lm import train_config_from_args
 
@@ -701,6 +714,8 @@ def main(argv: list[str] | None = None) -> int:
     if not 0 <= args.topk_kl <= 20:
         parser.error("--topk-kl K: 1 <= K <= 20 (the engine's log-probs limit), or 0 for none")
     cfg = train_config_from_args(args, DistillConfig, kl_weight=args.kl_weight, corpus_fraction=0.0)
+    args.target, args.base = (model_dir_arg(parser, flag, value) for flag, value in
+                              (("--target", args.target), ("--base", args.base)))
     run = DrafterRun(args.target, args.base, args.prompts, args.out, args.heldout, args.n_prompts, args.min_prompt,
                      args.max_prompt, args.max_new_tokens, args.gen_batch_size, args.max_new_tokens,
                      args.heldout_limit, args.qat_steps, args.group_size, args.k, args.eval_every,
