@@ -31,3 +31,27 @@ def test_a_twin_is_served_under_a_name_that_says_so():
 
     assert default_model_name(argparse.Namespace(model="ref-target", twin="qwen3-8b")) == "ref-target as qwen3-8b twin"
     assert default_model_name(argparse.Namespace(model="ref-target", twin=None)) == "ref-target"
+
+
+def test_streamed_text_decodes_short_windows_and_adds_up_to_the_whole(tmp_path):
+    """Streaming decodes a few tokens per update (not the whole output: no quadratic cost), never splits a
+    character, and its pieces concatenate to the full decode."""
+    from specdec.assets import resolve_model
+    from specdec.server.serving import IncrementalText
+    from specdec.tokenizer import Tokenizer
+
+    tok = Tokenizer(resolve_model("ref-target"))
+    text = "def naïve(x):\n    return x * 2  # größer, 日本語 ✓\n" * 20
+    ids = tok.encode(text)
+    lengths = []
+
+    def decode(window):
+        lengths.append(len(window))
+        return tok.decode(window)
+
+    inc = IncrementalText(decode, stop=[])
+    pieces = [inc.update([t], False, None) for t in ids]
+    pieces.append(inc.update([], True, tok.decode(ids)))
+    assert "".join(pieces) == tok.decode(ids)
+    assert all("\ufffd" not in p for p in pieces)
+    assert max(lengths) <= IncrementalText.CONTEXT + 8  # windows stay short however long the stream

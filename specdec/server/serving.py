@@ -24,13 +24,33 @@ DISCONNECT_POLL_S = 1.0
 
 
 class IncrementalText:
-    """Text released while tokens stream in: never a half character, never part of a stop string."""
+    """Text released while tokens stream in: never a half character, never part of a stop string.
+
+    Each update decodes a short window, not the whole output (which would make a long stream quadratic):
+    the tokens since the last settled point plus a few before it for context, and keeps the part of the
+    window's text beyond what the context alone decodes to.  Example: settled text "def f", context
+    tokens ["def", " f"], new token "(x" -> decode(["def", " f", "(x"]) = "def f(x", minus
+    decode(["def", " f"]) = "def f" -> "(x".  A window ending in U+FFFD (an incomplete UTF-8 sequence)
+    waits for more tokens."""
+
+    CONTEXT = 4  # settled tokens decoded again in front of the new ones
 
     def __init__(self, decode: Callable[[list[int]], str], stop: list[str]):
         self.decode = decode
         self.hold = max((len(s) for s in stop), default=1) - 1
         self.ids: list[int] = []
+        self.text = ""  # settled text of ids[:self.settled]
+        self.settled = 0
         self.sent = 0
+
+    def _settle(self) -> None:
+        start = max(0, self.settled - self.CONTEXT)
+        context = self.decode(self.ids[start:self.settled]) if start < self.settled else ""
+        window = self.decode(self.ids[start:])
+        if window.endswith("\ufffd") or len(window) < len(context):
+            return
+        self.text += window[len(context):]
+        self.settled = len(self.ids)
 
     def update(self, ids: list[int], finished: bool, final_text: str | None) -> str:
         self.ids.extend(ids)
@@ -38,8 +58,9 @@ class IncrementalText:
             text = final_text if final_text is not None else self.decode(self.ids)
             end = len(text)
         elif ids:
-            text = self.decode(self.ids)
-            end = len(text.rstrip("\ufffd")) - self.hold
+            self._settle()
+            text = self.text
+            end = len(text) - self.hold
         else:
             return ""
         if end <= self.sent:
