@@ -1,17 +1,37 @@
 #!/usr/bin/env bash
-# The whole GPU session in one call (device time is scarce): the judge figures first (issues 11, 7), then
-# the twin checks, then the 8B decode benchmark (issue 3) with whatever time is left under ALL_LIMIT_S.
-# Everything is packed into $OUT/gpu-all.tgz at the end (a call brings back at most 8 files).
-# Usage on the device:  SPECDEC_COMMIT=<sha> bash bench/gpu_all.sh "$OUT"   (with .whl carried)
+# A whole GPU session in one call (device time is scarce): the stages named in STAGES, in order, each with
+# its own time limit and never past ALL_LIMIT_S, then everything packed into $OUT/gpu-all.tgz (a call
+# brings back at most 8 files).
+#   judge        bench/gpu_judge.sh: twins (qwen3-8b target, 0.6b drafter; n-gram) and the reference pair (issues 11, 7)
+#   twin         bench/twin.py: twin vs small model greedy agreement, twin vs random-weight step time (issue 11)
+#   decode       bench/decode.py: the 8B decode tables, verify cost, kernel profiles (issue 3)
+#   speculative  bench/speculative.py: the pair, draft and n-gram, concurrency 1/16/64 (issue 4)
+#   draftverify  bench/draft_verify.py: ref-draft over /draft, tau and serving time at concurrency 32 (issue 8)
+# Usage on the device:  STAGES="judge twin" SPECDEC_COMMIT=<sha> bash bench/gpu_all.sh "$OUT"   (.whl carried)
 OUT=${1:-/tmp/out}; mkdir -p "$OUT"
 LIMIT=${ALL_LIMIT_S:-580}
-HEALTH_WAIT_S=${HEALTH_WAIT_S:-150} TWIN_JUDGE_S=${TWIN_JUDGE_S:-100} PAIR_JUDGE_S=${PAIR_JUDGE_S:-40} timeout $((LIMIT - 110)) bash bench/gpu_judge.sh "$OUT"
-echo "judge stages rc=$? done at ${SECONDS}s"
-pkill -f "specdec.cli serve"; sleep 2
-left=$((LIMIT - SECONDS))
-if [ "$left" -gt 60 ]; then
-  PYTHONPATH=$PWD PYTHONUNBUFFERED=1 timeout "$left" python3 bench/decode.py --out "$OUT/decode-h200.json" --steps 20 \
-    > "$OUT/decode.log" 2>&1
-  echo "decode rc=$? at ${SECONDS}s"; grep -v "^{" "$OUT/decode.log" | tail -n 12
-fi
-cd "$OUT" && tar -czf /tmp/gpu-all.tgz . && rm -rf ./* && mv /tmp/gpu-all.tgz . && ls -la
+STAGES=${STAGES:-judge twin decode}
+[ -d .whl ] && { python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1; }
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+
+stage() {  # stage NAME SECONDS COMMAND...: at most SECONDS, and never past LIMIT
+  local name=$1 want=$2; shift 2
+  local left=$((LIMIT - SECONDS - 10))
+  [ "$left" -lt 30 ] && { echo "$name: skipped (no time left)"; return; }
+  [ "$want" -gt "$left" ] && want=$left
+  timeout "$want" "$@" > "$OUT/$name.log" 2>&1
+  echo "$name rc=$? at ${SECONDS}s"; grep -v "^{" "$OUT/$name.log" | grep -v "it/s\]" | tail -n 30
+}
+for s in $STAGES; do
+  case $s in
+    judge) HEALTH_WAIT_S=${HEALTH_WAIT_S:-150} TWIN_JUDGE_S=${TWIN_JUDGE_S:-100} PAIR_JUDGE_S=${PAIR_JUDGE_S:-40} \
+             stage judge 470 bash bench/gpu_judge.sh "$OUT"; pkill -f "specdec.cli serve"; sleep 2 ;;
+    twin) stage twin 90 python3 bench/twin.py --out "$OUT/twin-h200.json" --pairs ref-target:qwen3-8b --prompts 8 --steps 10 ;;
+    decode) stage decode 240 python3 bench/decode.py --out "$OUT/decode-h200.json" --steps 20 ;;
+    speculative) stage speculative 200 python3 bench/speculative.py --out "$OUT/speculative-h200.json" ;;
+    draftverify) stage draftverify 150 python3 bench/draft_verify.py --device cuda --out "$OUT/draft-verify-h200.json" ;;
+    *) echo "unknown stage $s" ;;
+  esac
+done
+cd "$OUT" && rm -rf ./judge-*/*.log && tar -czf /tmp/gpu-all.tgz . && rm -rf ./* && mv /tmp/gpu-all.tgz . && ls -la

@@ -55,7 +55,7 @@ def main(argv=None) -> int:
     results = {"env": environment(device), "twins": []}
     for pair in args.pairs.split(","):
         name, shape = pair.split(":")
-        small = LLM(name, device=device)
+        small = LLM(name, device=device, kv_cache_tokens=8192)  # not from free memory: the twin comes next
         twin = make_twin(small.model, shape, noise=1e-6)
         row = {"model": f"{name} as {shape} twin", **greedy_agreement(small, twin, prompts, args.max_tokens)}
         vocab = small.model.config.vocab_size
