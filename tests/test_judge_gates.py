@@ -46,8 +46,9 @@ def test_every_gate_passes_on_the_real_speculating_engine(tmp_path):
     except FileNotFoundError:
         pytest.skip("the reference pair is not built")
     spec = "--speculator draft --draft-model ref-draft --num-draft-tokens 4 --fixed-k"  # fixed k: no cost probe
+    # 12 sampled replies: the likelihood gate's standard error is taken over replies, and from 4 it is too rough
     config = JudgeConfig(stock=serve_command("ref-target", 1024), candidate=serve_command("ref-target", 1024, spec),
-                         prompts=heldout_prompts_path(), out=tmp_path, workloads=("solo",), passes=1, num_prompts=4,
+                         prompts=heldout_prompts_path(), out=tmp_path, workloads=("solo",), passes=1, num_prompts=12,
                          max_tokens=16, concurrency=2, gate_prompts=3, quiet=True, startup_timeout_s=300)
     record = run_judge(config)
     assert record["reason"] is None, record["reason"]
