@@ -11,7 +11,7 @@ import torch
 
 from specdec import LLM, ConfigError, SamplingParams
 from specdec.speculate import SpecConfig
-from specdec.speculate.cost_model import KController, StepCostTable, expected_tokens
+from specdec.speculate.cost_model import GoodputGuard, KController, StepCostTable, expected_tokens
 from specdec.speculate.ngram import ngram_draft
 from tests.checkpoints import save_tiny
 from tests.stats import chi_square_p
@@ -219,7 +219,6 @@ def test_fixed_shape_verify_steps_keep_outputs(qwen3_dir, drafter_dir, plain, me
 
 
 def test_goodput_guard_turns_off_speculation_that_measurably_loses():
-    from specdec.speculate.cost_model import GoodputGuard
 
     ctl = KController(4, StepCostTable({1: 1.0, 4096: 1.0}), lambda b: 0.0)  # the model says: always draft
     chosen = []
@@ -238,6 +237,21 @@ def test_goodput_guard_turns_off_speculation_that_measurably_loses():
         ctl.observe_step(1, k, 3 if k else 1, 1.2 if k else 1.0)  # speculation pays: keep it
     assert sum(ctl.choose(["a"], 0) > 0 for _ in range(32)) >= 28
     assert GoodputGuard.bucket(1) == 0 and GoodputGuard.bucket(8) == 3 and GoodputGuard.bucket(9) == 4
+
+
+def test_goodput_guard_probes_ever_less_while_its_verdict_holds_and_notices_a_change():
+    ctl = KController(4, StepCostTable({1: 1.0, 4096: 1.0}), lambda b: 0.0)
+    spec_steps = []
+    for step in range(3000):
+        k = ctl.choose(["a"], 0)
+        spec_steps.append(k > 0)
+        ctl.observe_step(1, k, 2 if k else 1, 4.0 if k else 1.0)  # speculation loses 2x
+    late = spec_steps[1000:]
+    assert 0 < sum(late) <= 0.02 * len(late)  # still probing, at about 2 steps in 128
+    for step in range(2 * GoodputGuard.MAX_PROBE_EVERY):  # now speculation wins 3x
+        k = ctl.choose(["a"], 0)
+        ctl.observe_step(1, k, 3 if k else 1, 1.0)
+    assert sum(ctl.choose(["a"], 0) > 0 for _ in range(32)) >= 28
 
 
 def test_per_request_speculation_metrics(qwen3_dir):

@@ -111,42 +111,64 @@ def expected_tokens(alpha: float, k: int) -> float:
 class GoodputGuard:
     """Measured tokens/s with and without speculation per batch bucket; vetoes speculation that loses.
 
-    Every PROBE_EVERY steps of a bucket, PROBE_STEPS steps run the arm that is not currently preferred, so
-    both estimates stay fresh (a probe costs at most PROBE_STEPS slow steps in PROBE_EVERY).  A probe is
-    two steps long because the first step of speculation after plain steps also pays the drafter's
-    catch-up on the tokens it missed, which the controller does not count as the speculating rate.
+    Now and then PROBE_STEPS steps of a bucket run the arm that is not currently preferred, so both
+    estimates stay fresh.  A probe is two steps long because the first step of speculation after plain steps
+    also pays the drafter's catch-up on the tokens it missed, which the controller does not count as the
+    speculating rate.  Probes start PROBE_EVERY steps apart; each probe that leaves the verdict as it was
+    doubles the gap (up to MAX_PROBE_EVERY), and one that flips it resets the gap, so a settled verdict
+    costs ever less: with a losing drafter the share of slow steps falls from 2/16 towards 2/128.  The arm
+    that only probes sees few steps, so its estimate moves faster (PROBE_EMA): one probe into a changed
+    reality is enough to flip the verdict.
     """
 
     EMA = 0.1
+    PROBE_EMA = 0.5
     PROBE_EVERY = 16
+    MAX_PROBE_EVERY = 128
     PROBE_STEPS = 2
     MARGIN = 0.97  # speculation must reach 97% of plain decoding's goodput to keep running
 
     def __init__(self):
         self.rate: dict[tuple[int, bool], float] = {}  # (bucket, speculated) -> tokens/s
         self.steps: dict[int, int] = {}
+        self.gap: dict[int, int] = {}  # steps between probes
+        self.next_probe: dict[int, int] = {}  # step at which the bucket's next probe starts
+        self.verdict: dict[int, bool] = {}  # the preferred arm when the current probe started
 
     @staticmethod
     def bucket(batch: int) -> int:
         return max(0, batch - 1).bit_length()  # 1 -> 0, 2 -> 1, 3..4 -> 2, 5..8 -> 3, ...
 
+    def prefers_speculation(self, b: int) -> bool | None:
+        spec, plain = self.rate.get((b, True)), self.rate.get((b, False))
+        return None if spec is None or plain is None else spec >= self.MARGIN * plain
+
     def allow(self, batch: int) -> bool:
         b = self.bucket(batch)
-        self.steps[b] = self.steps.get(b, 0) + 1
-        spec, plain = self.rate.get((b, True)), self.rate.get((b, False))
-        if spec is None or plain is None:  # unmeasured: alternate until both arms have a reading
-            return spec is None
-        prefer_spec = spec >= self.MARGIN * plain
-        probe = self.steps[b] % self.PROBE_EVERY < self.PROBE_STEPS
-        return prefer_spec != probe
+        step = self.steps[b] = self.steps.get(b, 0) + 1
+        prefer_spec = self.prefers_speculation(b)
+        if prefer_spec is None:  # unmeasured: alternate until both arms have a reading
+            return self.rate.get((b, True)) is None
+        start = self.next_probe.setdefault(b, step + self.PROBE_EVERY)
+        if step == start:
+            self.verdict[b] = prefer_spec
+        if start <= step < start + self.PROBE_STEPS:
+            return not prefer_spec
+        if step >= start + self.PROBE_STEPS:  # the probe is over: did it change the verdict?
+            gap = self.gap.get(b, self.PROBE_EVERY)
+            gap = min(2 * gap, self.MAX_PROBE_EVERY) if self.verdict.get(b) == prefer_spec else self.PROBE_EVERY
+            self.gap[b], self.next_probe[b] = gap, step + gap
+        return prefer_spec
 
     def observe(self, batch: int, speculated: bool, tokens: int, seconds: float) -> None:
         if batch == 0 or seconds <= 0:
             return
-        key = (self.bucket(batch), speculated)
+        b = self.bucket(batch)
+        key = (b, speculated)
         rate = tokens / seconds
         old = self.rate.get(key)
-        self.rate[key] = rate if old is None else (1 - self.EMA) * old + self.EMA * rate
+        weight = self.PROBE_EMA if self.prefers_speculation(b) not in (None, speculated) else self.EMA
+        self.rate[key] = rate if old is None else (1 - weight) * old + weight * rate
 
 
 class KController:
