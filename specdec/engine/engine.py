@@ -30,7 +30,8 @@ class EngineConfig:
     precapture: bool = True  # capture every shape at start-up rather than at first use
     max_graph_batch: int = 256
     max_graph_context: int = 8192
-    fused_kernels: bool | None = None  # compiled elementwise kernels (specdec.models.fused); None: on a GPU
+    fused_kernels: bool | None = None  # compiled elementwise kernels (specdec.models.fused); None: on a GPU.
+    # Once on, they stay on for the process (specdec.models.fused.Kernels is shared by every model).
     compile_graphs: str | None = None  # torch.compile backend for each fixed-shape step before capture
 
     def validate(self) -> None:
