@@ -218,6 +218,23 @@ def test_fixed_shape_verify_steps_keep_outputs(qwen3_dir, drafter_dir, plain, me
     assert any(q > 1 for q in calls)  # verify steps took the fixed-shape path
 
 
+def test_frozen_shapes_keep_outputs_with_a_drafter(qwen3_dir, drafter_dir, plain):
+    """As after start-up capture on a GPU: the target's and the drafter's shape sets are frozen, and every
+    step outside them (prefills, the drafter's catch-ups) runs eagerly; outputs stay the plain ones."""
+    llm = spec_llm(qwen3_dir, SpecConfig("draft", model=str(drafter_dir), num_draft_tokens=3, adaptive=False),
+                   static_shapes=True, max_graph_batch=8, max_graph_context=256)
+    target, drafter = llm.engine.runner.static, llm.engine.speculator.runner.static
+    target.precapture([1, 4])
+    drafter.precapture([1, 2])
+    used = {id(target): [], id(drafter): []}
+    for static in (target, drafter):
+        forward = static._forward
+        static._forward = lambda *shape, f=forward, s=static: used[id(s)].append(shape) or f(*shape)
+    assert [o.token_ids for o in llm.generate(mixed_prompts(), GREEDY)] == plain
+    for static in (target, drafter):
+        assert used[id(static)] and set(used[id(static)]) <= static.shapes
+
+
 def test_goodput_guard_turns_off_speculation_that_measurably_loses():
 
     ctl = KController(4, StepCostTable({1: 1.0, 4096: 1.0}), lambda b: 0.0)  # the model says: always draft
