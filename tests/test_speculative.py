@@ -224,6 +224,7 @@ def test_frozen_shapes_keep_outputs_with_a_drafter(qwen3_dir, drafter_dir, plain
     llm = spec_llm(qwen3_dir, SpecConfig("draft", model=str(drafter_dir), num_draft_tokens=3, adaptive=False),
                    static_shapes=True, max_graph_batch=8, max_graph_context=256)
     target, drafter = llm.engine.runner.static, llm.engine.speculator.runner.static
+    assert drafter.max_context == target.max_context == 256  # the drafter's graphs follow the target's bound
     target.precapture([1, 4])
     drafter.precapture([1, 2])
     used = {id(target): [], id(drafter): []}

@@ -75,7 +75,8 @@ def _draft_speculator(config: SpecConfig, llm):
             tokens = min_across_ranks(tokens)
     static = llm.engine.runner.static is not None
     return DraftModelSpeculator(drafter, llm.model.config.vocab_size, tokens, llm.engine.config.block_size,
-                                static_shapes=static, max_batch=llm.engine.config.max_num_seqs)
+                                static_shapes=static, max_batch=llm.engine.config.max_num_seqs,
+                                max_context=min(llm.engine.config.max_graph_context, llm.engine.max_model_len))
 
 
 def check_same_tokenizer(target_dir: Path, draft_dir: Path) -> None:

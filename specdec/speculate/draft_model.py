@@ -39,7 +39,7 @@ class DraftModelSpeculator(Speculator):
     has_draft_model = True
 
     def __init__(self, model: CausalLM, target_vocab: int, kv_cache_tokens: int, block_size: int = 16,
-                 static_shapes: bool = False, max_batch: int = 256):
+                 static_shapes: bool = False, max_batch: int = 256, max_context: int = 8192):
         self.model = model
         self.device = model.lm_head.weight.device
         self.target_vocab = target_vocab
@@ -52,7 +52,7 @@ class DraftModelSpeculator(Speculator):
             from specdec.engine.static_runner import StaticRunner
 
             static = StaticRunner(model, self.kv, self.device, max_batch, max_q=33,
-                                  max_context=min(8192, self.max_positions), capture=True)
+                                  max_context=min(max_context, self.max_positions), capture=True)
         self.runner = ModelRunner(model, self.kv, self.device, static)
         self.shadows: dict[str, Shadow] = {}
         self.stats = {"draft_forwards": 0, "skipped_no_cache": 0}
