@@ -38,7 +38,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 block_size=args.block_size, max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens, twin=args.twin,
                 max_model_len=getattr(args, "max_model_len", None),
-                **({"fused_kernels": False} if getattr(args, "no_fused_kernels", False) else {}),
+                fused_kernels=False if getattr(args, "no_fused_kernels", False) else None,
                 tensor_parallel_size=getattr(args, "tensor_parallel_size", 1))
 
 

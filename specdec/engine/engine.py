@@ -91,8 +91,13 @@ class Engine:
             return None
         return StaticRunner(self.model, self.kv_cache, self.device, min(self.config.max_graph_batch,
                             self.config.max_num_seqs), max_q=33,
-                            max_context=min(self.config.max_graph_context, self.max_model_len),
+                            max_context=self.graph_context_bound,
                             capture=self.config.cuda_graphs, compile_backend=self.config.compile_graphs)
+
+    @property
+    def graph_context_bound(self) -> int:
+        """The longest context a fixed-shape (CUDA-graph) step may have, for the target and its drafter."""
+        return min(self.config.max_graph_context, self.max_model_len)
 
     @property
     def capacity_tokens(self) -> int:

@@ -67,13 +67,12 @@ class StaticRunner:
         return _next_power_of_two(len(seqs)), q, context
 
     def can_run(self, seqs: list[ScheduledSeq]) -> bool:
-        q = max(s.num_new for s in seqs)
-        if self.frozen and self.shape_of(seqs) not in self.shapes:
+        shape = batch, q, context = self.shape_of(seqs)  # max_batch and max_context are powers of two
+        if self.frozen and shape not in self.shapes:
             return False  # e.g. a drafter catching up 7 tokens: one eager step beats a capture mid-serve
-        return (len(seqs) <= self.max_batch and q <= self.max_q
+        return (batch <= self.max_batch and q <= self.max_q and context <= self.max_context
                 and all(s.samples and s.request.num_tokens - s.request.num_computed == s.num_new - s.num_drafts
-                        for s in seqs)
-                and max(s.request.num_computed + q for s in seqs) <= self.max_context)
+                        for s in seqs))
 
     @torch.inference_mode()
     def run(self, seqs: list[ScheduledSeq]) -> list[torch.Tensor]:

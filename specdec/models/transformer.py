@@ -39,8 +39,7 @@ class Attention(nn.Module):
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [T, hidden] -> q [T, H*D], k [T, Hkv*D], v [T, Hkv*D]."""
         if self.qkv is not None:
-            q, k, v = self.qkv(x)
-            return q, k, v
+            return tuple(self.qkv(x))
         return self.q_proj(x), self.k_proj(x), self.v_proj(x)
 
     def forward(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], batch: AttentionBatch,

@@ -76,7 +76,7 @@ def _draft_speculator(config: SpecConfig, llm):
     static = llm.engine.runner.static is not None
     return DraftModelSpeculator(drafter, llm.model.config.vocab_size, tokens, llm.engine.config.block_size,
                                 static_shapes=static, max_batch=llm.engine.config.max_num_seqs,
-                                max_context=min(llm.engine.config.max_graph_context, llm.engine.max_model_len))
+                                max_context=llm.engine.graph_context_bound)
 
 
 def check_same_tokenizer(target_dir: Path, draft_dir: Path) -> None:
