@@ -63,8 +63,8 @@ def main(argv: list[str] | None = None) -> int:
     conversations = [json.loads(line) for line in Path(args.heldout).read_text().splitlines()]
 
     ev: dict = {"device": "cpu", "dtype": "float32", "torch": torch.__version__, "note": args.note}
-    ev["target_heldout_loss"], ev["heldout_eval_tokens"] = (round(v, 4) if isinstance(v, float) else v
-                                                          for v in text_loss(target, tokenizer, texts))
+    target_loss, ev["heldout_eval_tokens"] = text_loss(target, tokenizer, texts)
+    ev["target_heldout_loss"] = round(target_loss, 4)
     ev["draft_heldout_loss"] = round(text_loss(draft, tokenizer, texts)[0], 4)
     for who in ("target", "draft"):
         ev[f"{who}_heldout_ppl"] = round(math.exp(ev[f"{who}_heldout_loss"]), 3)
