@@ -78,6 +78,23 @@ def processed_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
     return probs
 
 
+def processed_probs_rows(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """logits [N, V], one SamplingParams per row -> processed_probs of every row, [N, V] float32.
+
+    Rows that share temperature, top-k and top-p are processed together: a batch of alike requests (the
+    usual case) costs one call, not one per row."""
+    groups: dict[tuple, list[int]] = {}
+    for row, p in enumerate(params):
+        groups.setdefault((p.greedy, p.temperature, p.top_k, p.top_p), []).append(row)
+    if len(groups) == 1:
+        return processed_probs(logits, params[0])
+    out = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
+    for rows in groups.values():
+        index = torch.tensor(rows, device=logits.device)
+        out[index] = processed_probs(logits[index], params[rows[0]])
+    return out
+
+
 def _top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     """Keep the smallest prefix of tokens (by descending probability) whose mass reaches top_p."""
     sorted_probs, order = probs.sort(dim=-1, descending=True, stable=True)

@@ -37,7 +37,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-__all__ = ["accept", "acceptance_rate", "expected_accepted_tokens"]
+__all__ = ["accept", "acceptance_rate", "expected_accepted_tokens", "sample"]
 
 # A residual max(p - q, 0) whose mass is at most this fraction of p's mass is
 # treated as numerically empty and replaced by p.  The distribution error this
@@ -72,10 +72,9 @@ def accept(
     _check_shapes(draft_ids, draft_probs, target_probs, generators)
     dtype = torch.promote_types(target_probs.dtype, torch.float32)
     device = target_probs.device
-    draft_ids = draft_ids.to(device)
-
-    n_drafts = _num_drafts(draft_ids)  # [B]
+    n_drafts = _num_drafts(draft_ids)  # [B], on draft_ids' device: given on the host, no sync to read it
     u_accept, u_race = _draw_uniforms(generators, n_drafts, batch, k, vocab, device)
+    draft_ids, n_drafts = draft_ids.to(device), n_drafts.to(device)
     n_accepted = _num_accepted(
         draft_ids, draft_probs, target_probs, n_drafts, u_accept.to(dtype)
     )  # [B]
@@ -84,6 +83,18 @@ def accept(
     )  # [B, V]
     token = _exponential_race(dist, u_race.to(dtype))  # [B]
     return _assemble(draft_ids, n_accepted, token)
+
+
+def sample(probs: torch.Tensor, generators: Generators = None) -> torch.Tensor:
+    """[N] one draw per row of unnormalised probs [N, V], each row from its own generator (if given).
+
+    The same exponential race as the verifier's final token, fed by V uniforms per row; no host sync."""
+    rows, vocab = probs.shape
+    if generators is None or all(g is None for g in generators):
+        u = torch.rand(rows, vocab, device=probs.device)
+    else:
+        u = torch.stack([_uniforms(gen, vocab, probs.device) for gen in generators])
+    return _exponential_race(probs.float(), u)
 
 
 def expected_accepted_tokens(alpha: float, k: int) -> float:
@@ -137,6 +148,8 @@ def _draw_uniforms(generators, n_drafts, batch, k, vocab, device):
     calls (no host sync).  Otherwise each row draws n_b + V values from its own
     generator (on that generator's device): n_b acceptance uniforms, then V
     race uniforms.  Padding slots of the acceptance tensor are never read.
+    Reading n_b needs n_drafts on the host: a caller that builds draft_ids on
+    the host avoids a device sync here.
     """
     if generators is None or all(g is None for g in generators):
         u_accept = torch.rand(batch, k, device=device)
@@ -145,11 +158,16 @@ def _draw_uniforms(generators, n_drafts, batch, k, vocab, device):
     counts = n_drafts.tolist()
     accept_rows, race_rows = [], []
     for n, gen in zip(counts, generators):
-        gen_device = device if gen is None else gen.device
-        u = torch.rand(n + vocab, generator=gen, device=gen_device).to(device)
+        u = _uniforms(gen, n + vocab, device)
         accept_rows.append(F.pad(u[:n], (0, k - n), value=1.0))
         race_rows.append(u[n:])
     return torch.stack(accept_rows), torch.stack(race_rows)
+
+
+def _uniforms(gen: torch.Generator | None, count: int, device: torch.device) -> torch.Tensor:
+    """count uniforms in [0, 1) from gen (None: the global RNG), on device."""
+    gen_device = device if gen is None else gen.device
+    return torch.rand(count, generator=gen, device=gen_device).to(device)
 
 
 def _num_accepted(draft_ids, draft_probs, target_probs, n_drafts, u_accept):

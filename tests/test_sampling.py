@@ -64,3 +64,33 @@ def test_top_k_one_is_greedy(llm):
     greedy = llm.generate(PROMPT, SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))[0].token_ids
     top1 = llm.generate(PROMPT, SamplingParams(max_tokens=10, temperature=0.9, top_k=1, ignore_eos=True))[0]
     assert top1.token_ids == greedy
+
+
+def test_processed_probs_rows_equal_row_by_row_processing():
+    from specdec.sampling import processed_probs, processed_probs_rows
+
+    logits = torch.randn(6, 11, generator=torch.Generator().manual_seed(3))
+    params = [SamplingParams(temperature=0.7, top_k=4), SamplingParams(temperature=0.0),
+              SamplingParams(temperature=0.7, top_k=4), SamplingParams(top_p=0.5),
+              SamplingParams(temperature=1.3), SamplingParams(temperature=0.0)]
+    rows = processed_probs_rows(logits, params)
+    for i, p in enumerate(params):
+        assert torch.allclose(rows[i], processed_probs(logits[i:i + 1], p)[0])
+
+
+def test_row_sampler_follows_each_rows_distribution_and_seeds_reproduce():
+    from specdec.verify import sample
+
+    probs = torch.tensor([[0.5, 0.3, 0.2, 0.0], [0.0, 0.1, 0.1, 0.8]])
+    draws = sample(probs.repeat(20000, 1)).view(20000, 2)
+    for row in range(2):
+        counts = np.bincount(draws[:, row].numpy(), minlength=4)
+        assert chi_square_p(counts, probs[row].numpy()) > 1e-3
+    wrong = np.bincount(draws[:, 0].numpy(), minlength=4)  # negative control: row 0's draws against row 1
+    assert chi_square_p(wrong, probs[1].numpy()) < 1e-6
+    seeded = [torch.Generator().manual_seed(s) for s in (5, 6)]
+    again = [torch.Generator().manual_seed(s) for s in (5, 6)]
+    first = torch.stack([sample(probs, seeded) for _ in range(50)])
+    assert torch.equal(first, torch.stack([sample(probs, again) for _ in range(50)]))
+    alone = torch.Generator().manual_seed(6)  # a seeded row's draws do not depend on its companions
+    assert torch.equal(first[:, 1], torch.stack([sample(probs[1:], [alone])[0] for _ in range(50)]))

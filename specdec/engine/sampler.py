@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from specdec.engine.scheduler import ScheduledSeq
-from specdec.sampling import processed_probs
+from specdec.sampling import processed_probs_rows
 from specdec.verify import accept
 
 
@@ -45,27 +45,35 @@ def sample_tokens(seqs: list[ScheduledSeq], logits: list[torch.Tensor]) -> list[
 
 
 def _verify_stochastic(seqs: list[ScheduledSeq], logits: list[torch.Tensor]) -> list[list[int]]:
+    """Rejection sampling for every sampled sequence at once: a few batched kernels and one host copy,
+    whatever the batch size (per-row work is only each seeded row's draw from its generator)."""
     k = max(s.num_drafts for s in seqs)
     vocab = logits[0].shape[-1]
     device = logits[0].device
-    target = torch.stack([_pad_rows(processed_probs(rows, s.request.params), k + 1)
-                          for s, rows in zip(seqs, logits)])  # [B, k+1, V]
-    draft_ids = torch.full((len(seqs), k), -1, dtype=torch.long, device=device)
+    counts = [1 + s.num_drafts for s in seqs]
+    # Worked example: drafts (2, 0, 1) -> counts (3, 1, 2), k = 2; the 6 logits rows land at
+    # (batch, position) (0,0) (0,1) (0,2) (1,0) (2,0) (2,1) of target [3, 3, V]; the rest stays 0.
+    probs = processed_probs_rows(torch.cat(logits), [s.request.params for s, n in zip(seqs, counts)
+                                                     for _ in range(n)])  # [sum(counts), V]
+    target = probs.new_zeros(len(seqs), k + 1, vocab)
+    target[_row_index(counts, device)] = probs  # [B, k+1, V]
+    draft_ids = torch.tensor([s.request.draft_token_ids[:s.num_drafts] + [-1] * (k - s.num_drafts)
+                              for s in seqs], dtype=torch.long)  # [B, k] on the host: accept reads counts free
     draft_probs = None
-    if any(s.num_drafts and s.request.draft_probs is not None for s in seqs):
-        draft_probs = torch.zeros(len(seqs), k, vocab, device=device)
-    for b, s in enumerate(seqs):
-        n = s.num_drafts
-        if n:
-            draft_ids[b, :n] = torch.tensor(s.request.draft_token_ids[:n], device=device)
-            if draft_probs is not None:
-                draft_probs[b, :n] = _draft_probs(s, n, vocab, device)
+    drafted = [s for s in seqs if s.num_drafts]
+    if any(s.request.draft_probs is not None for s in drafted):
+        draft_probs = probs.new_zeros(len(seqs), k, vocab)
+        rows = torch.cat([_draft_probs(s, s.num_drafts, vocab, device) for s in drafted])  # [sum(drafts), V]
+        draft_probs[_row_index([s.num_drafts for s in seqs], device)] = rows
     tokens = accept(draft_ids, draft_probs, target, [s.request.generator for s in seqs])  # [B, k+1]
     return [[t for t in row if t >= 0] for row in tokens.tolist()]
 
 
-def _pad_rows(probs: torch.Tensor, rows: int) -> torch.Tensor:
-    return F.pad(probs, (0, 0, 0, rows - probs.shape[0]))
+def _row_index(counts: list[int], device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(batch index, position index) of each of sum(counts) stacked rows, row b having counts[b] rows."""
+    batch = [b for b, n in enumerate(counts) for _ in range(n)]
+    position = [j for n in counts for j in range(n)]
+    return torch.tensor(batch, device=device), torch.tensor(position, device=device)
 
 
 def _draft_probs(seq: ScheduledSeq, n: int, vocab: int, device) -> torch.Tensor:

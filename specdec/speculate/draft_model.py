@@ -16,8 +16,9 @@ from specdec.engine.request import Request
 from specdec.engine.runner import ModelRunner
 from specdec.engine.scheduler import ScheduledSeq
 from specdec.models.transformer import CausalLM
-from specdec.sampling import SamplingParams, processed_probs
+from specdec.sampling import SamplingParams, processed_probs_rows
 from specdec.speculate.base import Speculator
+from specdec.verify import sample
 
 CATCH_UP_CHUNK = 2048  # most tokens fed in one drafter forward while catching up
 
@@ -77,11 +78,10 @@ class DraftModelSpeculator(Speculator):
             seqs = [self._feed(r) for r, _ in step]
             logits = [rows[-1:] for rows in self.runner.forward(seqs)]  # per seq [1, V_draft]
             self.stats["draft_forwards"] += 1
-            greedy = self._batched_argmax(step, logits)
-            for j, ((req, _), seq) in enumerate(zip(step, seqs)):
+            tokens, qs = self._next_tokens([r for r, _ in step], torch.cat(logits))
+            for (req, _), seq, token, q in zip(step, seqs, tokens, qs):
                 shadow = self._shadow(req)
                 shadow.seq.num_computed += seq.num_new
-                token, q = (greedy[j], None) if req.params.greedy else self._sample(req, shadow, logits[j])
                 req.draft_token_ids.append(token)
                 probs[req.request_id].append(q)
                 shadow.seq.prompt_token_ids.append(token)  # fed at the next drafter step (if any)
@@ -156,23 +156,23 @@ class DraftModelSpeculator(Speculator):
         shadow = self._shadow(req).seq
         return ScheduledSeq(shadow, len(shadow.prompt_token_ids) - shadow.num_computed, 0, samples=True)
 
-    @staticmethod
-    def _batched_argmax(step, logits: list[torch.Tensor]) -> list[int | None]:
-        """The argmax of every greedy request's row, with one device->host copy; None for the others."""
-        rows = [i for i, (req, _) in enumerate(step) if req.params.greedy]
-        out: list[int | None] = [None] * len(step)
-        if rows:
-            for i, t in zip(rows, torch.cat([logits[i] for i in rows]).argmax(-1).tolist()):
-                out[i] = t
-        return out
+    def _next_tokens(self, requests: list[Request], logits: torch.Tensor):
+        """logits [B, V_draft] -> (B draft tokens, B distributions q [1, V_target] or None for greedy rows).
 
-    def _sample(self, req: Request, shadow: Shadow, logits: torch.Tensor) -> tuple[int, torch.Tensor]:
-        """One sampled draft token and its distribution q [1, V_target]."""
-        q = processed_probs(logits, req.params)  # [1, V_draft]
-        if q.shape[-1] < self.target_vocab:
-            q = torch.nn.functional.pad(q, (0, self.target_vocab - q.shape[-1]))
-        token = int(torch.multinomial(q, 1, generator=shadow.generator))
-        return token, q
+        Greedy rows take the argmax; the others draw from their processed distribution (batched, each
+        seeded request from its shadow's generator); one device->host copy for the whole batch."""
+        tokens = logits.argmax(-1)  # [B]
+        sampled = [i for i, r in enumerate(requests) if not r.params.greedy]
+        qs: list[torch.Tensor | None] = [None] * len(requests)
+        if sampled:
+            index = torch.tensor(sampled, device=logits.device)
+            q = processed_probs_rows(logits[index], [requests[i].params for i in sampled])  # [S, V_draft]
+            if q.shape[-1] < self.target_vocab:
+                q = torch.nn.functional.pad(q, (0, self.target_vocab - q.shape[-1]))
+            tokens[index] = sample(q, [self._shadow(requests[i]).generator for i in sampled])
+            for j, i in enumerate(sampled):
+                qs[i] = q[j:j + 1]
+        return tokens.tolist(), qs
 
 
 def _common_prefix(a: list[int], b: list[int], limit: int) -> int:
