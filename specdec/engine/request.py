@@ -63,6 +63,15 @@ class Request:
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
+    def token_ids_between(self, start: int, end: int) -> list[int]:
+        """all_token_ids[start:end] without building the whole list (a step feeds only the newest tokens)."""
+        split = len(self.prompt_token_ids)
+        if start >= split:
+            return self.output_token_ids[start - split:end - split]
+        if end <= split:
+            return self.prompt_token_ids[start:end]
+        return self.prompt_token_ids[start:] + self.output_token_ids[:end - split]
+
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)

@@ -32,7 +32,7 @@ class ModelRunner:
         for seq in seqs:
             req = seq.request
             start = req.num_computed
-            tokens = req.all_token_ids[start:start + seq.num_new - seq.num_drafts]
+            tokens = req.token_ids_between(start, start + seq.num_new - seq.num_drafts)
             tokens += req.draft_token_ids[:seq.num_drafts]
             ids.extend(tokens)
             positions.extend(range(start, start + seq.num_new))
@@ -52,7 +52,7 @@ class ModelRunner:
         """Logits [num_new, V] at every fed position of one sequence (scoring; always eager)."""
         req = seq.request
         start = req.num_computed
-        ids = self._long(req.all_token_ids[start:start + seq.num_new])
+        ids = self._long(req.token_ids_between(start, start + seq.num_new))
         positions = torch.arange(start, start + seq.num_new, device=self.device)
         slots = [self._slot(req.block_ids, p) for p in range(start, start + seq.num_new)]
         batch = self._batch([seq], [0, seq.num_new], [start + seq.num_new], slots)

@@ -20,9 +20,10 @@ graph replays far fewer launches.  Each shape compiles separately, so this suits
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
-from specdec.engine.kv_cache import KVCache, slot_of
+from specdec.engine.kv_cache import KVCache
 from specdec.engine.scheduler import ScheduledSeq
 from specdec.models.attention import AttentionBatch
 from specdec.models.transformer import CausalLM
@@ -30,6 +31,21 @@ from specdec.models.transformer import CausalLM
 
 def _next_power_of_two(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
+
+
+def _input_size(batch: int, q: int, cols: int) -> int:
+    return 3 * batch * q + batch + batch * cols
+
+
+def _input_views(flat, batch: int, q: int, cols: int):
+    """A (batch, q, cols) step's inputs as views of one flat buffer (torch tensor or numpy array):
+    ids, positions, slots [batch * q], context lengths [batch], block tables [batch, cols].  Each shape's
+    CUDA graph reads its own views, so the layout may differ from shape to shape."""
+    rows = batch * q
+    ids, positions, slots = flat[:rows], flat[rows:2 * rows], flat[2 * rows:3 * rows]
+    ctx = flat[3 * rows:3 * rows + batch]
+    tables = flat[3 * rows + batch:_input_size(batch, q, cols)].reshape(batch, cols)
+    return ids, positions, slots, ctx, tables
 
 
 class StaticRunner:
@@ -43,14 +59,14 @@ class StaticRunner:
         self.max_q = max_q
         self.max_context = _next_power_of_two(max(max_context, 256))
         self.capture = capture and device.type == "cuda"
-        rows = self.max_batch * max_q
-        max_blocks = -(-self.max_context // self.block_size)
-        long = dict(dtype=torch.long, device=device)
-        self.ids = torch.zeros(rows, **long)
-        self.positions = torch.zeros(rows, **long)
-        self.slots = torch.zeros(rows, **long)
-        self.context_lens = torch.zeros(self.max_batch, **long)
-        self.block_tables = torch.zeros(self.max_batch, max_blocks, **long)
+        self.max_cols = -(-self.max_context // self.block_size)
+        size = _input_size(self.max_batch, max_q, self.max_cols)
+        # A step's inputs live in one flat buffer (layout: _input_views) filled from one host staging
+        # buffer, pinned on a GPU, by a single asynchronous copy.
+        self.inputs = torch.zeros(size, dtype=torch.long, device=device)
+        self.staging = torch.zeros(size, dtype=torch.long, pin_memory=self.capture)
+        self.staged = torch.cuda.Event() if self.capture else None  # the last copy out of staging is done
+        self.q_offsets = np.arange(max_q)
         self.graphs: dict[tuple[int, int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = torch.cuda.graph_pool_handle() if self.capture else None
         self.replays = 0
@@ -78,7 +94,7 @@ class StaticRunner:
     def run(self, seqs: list[ScheduledSeq]) -> list[torch.Tensor]:
         """Logits [q, V] per sequence (rows as in ModelRunner.forward)."""
         batch, q, context = self.shape_of(seqs)
-        self._fill(seqs, q, batch)
+        self._fill(seqs, q, batch, context)
         logits = self._forward(batch, q, context)  # [batch * q, V]
         # the rows the sampler reads: after the last fed token and after each draft (see ModelRunner.forward);
         # a short prefill feeds several prompt tokens but samples only after the last one
@@ -93,39 +109,45 @@ class StaticRunner:
         shapes = [(b, q, c) for q in sorted(set(qs)) if 1 <= q <= self.max_q
                   for b in reversed(batches) for c in contexts]
         for batch, q, context in shapes:
-            self._fill([], q, batch)  # padding rows only: scratch slots, no real sequence is touched
+            self._fill([], q, batch, context)  # padding rows only: scratch slots, no real sequence is touched
             self._forward(batch, q, context)
         self.shapes.update(shapes)
         self.frozen = True
         return len(shapes)
 
-    def _fill(self, seqs: list[ScheduledSeq], q: int, batch: int) -> None:
-        ids, positions, slots, ctx, tables = [], [], [], [], []
-        scratch = self.kv_cache.scratch_block
-        width = self.block_tables.shape[1]
-        for seq in seqs:
+    def _fill(self, seqs: list[ScheduledSeq], q: int, batch: int, context: int) -> None:
+        """Stage the step's inputs for the (batch, q, context) bucket and copy them to the device at once."""
+        if self.staged is not None:
+            self.staged.synchronize()  # the previous step's copy has read the staging buffer
+        bs, cols, scratch = self.block_size, -(-context // self.block_size), self.kv_cache.scratch_block
+        ids, positions, slots, ctx, tables = _input_views(self.staging.numpy(), batch, q, cols)
+        ids, positions, slots = ids.reshape(batch, q), positions.reshape(batch, q), slots.reshape(batch, q)
+        ids[:] = 0
+        tables[:] = scratch  # padding sequences and unused columns point at the scratch block
+        starts = np.zeros(batch, dtype=np.int64)
+        fed = np.zeros(batch, dtype=np.int64)  # rows of each sequence that carry a real token
+        for i, seq in enumerate(seqs):
             req = seq.request
-            start, extra = req.num_computed, q - seq.num_new
-            fed = req.all_token_ids[start:start + seq.num_new - seq.num_drafts]
-            ids += fed + req.draft_token_ids[:seq.num_drafts] + [0] * extra
-            positions += range(start, start + q)
-            slots += [slot_of(req.block_ids, p, self.block_size)
-                      for p in range(start, start + seq.num_new)]
-            slots += [scratch * self.block_size + i % self.block_size for i in range(extra)]
-            ctx.append(start + q)
-            tables.append(req.block_ids + [scratch] * (width - len(req.block_ids)))
-        pad = batch - len(seqs)
-        ids += [0] * (pad * q)
-        positions += list(range(q)) * pad
-        slots += [scratch * self.block_size + i % self.block_size for i in range(pad * q)]
-        ctx += [q] * pad
-        tables += [[scratch] * width] * pad
-        rows = batch * q
-        self.ids[:rows].copy_(torch.tensor(ids), non_blocking=True)
-        self.positions[:rows].copy_(torch.tensor(positions), non_blocking=True)
-        self.slots[:rows].copy_(torch.tensor(slots), non_blocking=True)
-        self.context_lens[:batch].copy_(torch.tensor(ctx), non_blocking=True)
-        self.block_tables[:batch].copy_(torch.tensor(tables), non_blocking=True)
+            blocks = req.block_ids[:cols]
+            tables[i, :len(blocks)] = blocks
+            starts[i] = start = req.num_computed
+            committed = seq.num_new - seq.num_drafts
+            ids[i, :committed] = req.token_ids_between(start, start + committed)
+            ids[i, committed:seq.num_new] = req.draft_token_ids[:seq.num_drafts]
+            fed[i] = seq.num_new
+        # Row j of sequence i sits at position start_i + j; a real row writes its slot in the sequence's
+        # blocks, a padding row (j >= fed_i, or a padding sequence) writes the scratch block.
+        # Example (block size 16, q = 3): start 35, fed 2, blocks [7, 2, 9] -> positions 35, 36, 37,
+        # slots 9*16+3, 9*16+4, then scratch*16+2 for the padding row.
+        offsets = self.q_offsets[:q]
+        positions[:] = starts[:, None] + offsets  # [batch, q]
+        block = np.take_along_axis(tables, np.minimum(positions // bs, cols - 1), axis=1)
+        slots[:] = np.where(offsets < fed[:, None], block * bs + positions % bs, scratch * bs + offsets % bs)
+        ctx[:] = starts + q
+        size = _input_size(batch, q, cols)
+        self.inputs[:size].copy_(self.staging[:size], non_blocking=True)
+        if self.staged is not None:
+            self.staged.record()
 
     def _forward(self, batch: int, q: int, context: int) -> torch.Tensor:
         if not self.capture:
@@ -143,17 +165,17 @@ class StaticRunner:
         return self._padded(batch, q, context)
 
     def _padded_forward(self, batch: int, q: int, context: int) -> torch.Tensor:
-        rows = batch * q
+        ids, positions, slots, ctx, tables = _input_views(self.inputs, batch, q, -(-context // self.block_size))
         attn = AttentionBatch(
-            query_start=torch.arange(0, rows + 1, q, device=self.device),
-            context_lens=self.context_lens[:batch],
-            block_tables=self.block_tables[:batch, :-(-context // self.block_size)],
-            slot_mapping=self.slots[:rows],
+            query_start=torch.arange(0, batch * q + 1, q, device=self.device),
+            context_lens=ctx,
+            block_tables=tables,
+            slot_mapping=slots,
             max_query_len=q,
             max_context_len=context,
             uniform=True,
         ).prepare(self.block_size)
-        return self.model(self.ids[:rows], self.positions[:rows], attn, self.kv_cache.layers)
+        return self.model(ids, positions, attn, self.kv_cache.layers)
 
     def _capture(self, batch: int, q: int, context: int):
         stream = torch.cuda.Stream(self.device)
