@@ -75,6 +75,23 @@ def test_identical_drafter_has_every_draft_accepted(qwen3_dir, plain):
     assert all(o.num_accepted == o.num_drafted for o in outs)
 
 
+def test_full_acceptance_needs_no_separate_drafter_catch_up(qwen3_dir):
+    """After every draft is accepted the shadow misses two tokens (the last draft and the bonus); the chain's
+    first forward takes both (a fixed shape on a GPU), so a steady step costs the drafter exactly k forwards."""
+    k = 4
+    llm = spec_llm(qwen3_dir, SpecConfig("draft", model=str(qwen3_dir), num_draft_tokens=k, adaptive=False))
+    params = SamplingParams(max_tokens=1 + 3 * (k + 1), temperature=0, ignore_eos=True)
+    req = llm.engine.add_request(mixed_prompts(1)[0], params)
+    llm.engine.step()  # prefill (no drafts yet: the request was not decoding)
+    forwards = []
+    while not req.finished:
+        before = llm.engine.speculator.stats["draft_forwards"]
+        llm.engine.step()
+        forwards.append(llm.engine.speculator.stats["draft_forwards"] - before)
+    assert req.num_accepted == req.num_drafted == 3 * k
+    assert forwards == [1 + k, k, k]  # the first step catches up on the prompt, then k forwards each
+
+
 def test_cost_model_can_switch_speculation_off(qwen3_dir, drafter_dir, plain):
     llm = spec_llm(qwen3_dir, SpecConfig("draft", model=str(drafter_dir), num_draft_tokens=4, adaptive=False))
     compute_bound = StepCostTable({1: 1.0, 2: 2.0})  # every extra token costs as much as the first

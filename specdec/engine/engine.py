@@ -183,8 +183,8 @@ class Engine:
         ks = self.controller.candidates() if self.controller is not None else [0]
         count = static.precapture([k + 1 for k in ks])
         drafter_static = getattr(getattr(self.speculator, "runner", None), "static", None)
-        if drafter_static is not None:
-            count += drafter_static.precapture([1, 2])  # chained single tokens; catch-up after full acceptance
+        if drafter_static is not None:  # the chain's first forward feeds 1..FIRST_FEED tokens, the rest 1
+            count += drafter_static.precapture(list(range(1, self.speculator.first_feed + 1)))
         return count
 
     def _propose(self) -> int:

@@ -2,9 +2,11 @@
 
 For every target request the drafter keeps a shadow sequence: the tokens its cache was computed on.
 Each step the shadow is synced with the request (a rejected draft makes the shadow diverge; its
-cache is valid only up to the first difference), catches up on the new tokens in one forward that
-also yields draft 1, then feeds each draft to get the next: k forwards for k drafts, all requests
-batched together.
+cache is valid only up to the first difference).  The chain's first forward feeds the shadow's new
+tokens and yields draft 1: one token after a rejection, two after full acceptance (the last draft,
+never fed, and the bonus token), so it runs as a fixed-shape (CUDA-graph) step; only a shadow further
+behind (speculation just switched on) first catches up in separate forwards.  Then each draft is fed
+to get the next: k forwards for k drafts, all requests batched together.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from specdec.speculate.base import Speculator
 from specdec.verify import sample
 
 CATCH_UP_CHUNK = 2048  # most tokens fed in one drafter forward while catching up
+FIRST_FEED = 2  # most new tokens the chain's first forward takes (after full acceptance: last draft + bonus)
 
 
 class Shadow:
@@ -38,6 +41,7 @@ class Shadow:
 class DraftModelSpeculator(Speculator):
     name = "draft"
     has_draft_model = True
+    first_feed = FIRST_FEED
 
     def __init__(self, model: CausalLM, target_vocab: int, kv_cache_tokens: int, block_size: int = 16,
                  static_shapes: bool = False, max_batch: int = 256, max_context: int = 8192):
@@ -136,11 +140,11 @@ class DraftModelSpeculator(Speculator):
         return True
 
     def _catch_up(self, shadows: list[Shadow]) -> None:
-        """Feed all but the last uncomputed token of each shadow, in chunks of CATCH_UP_CHUNK tokens."""
+        """Feed each shadow's uncomputed tokens but the last FIRST_FEED, in chunks of CATCH_UP_CHUNK tokens."""
         while True:
             seqs, budget = [], CATCH_UP_CHUNK
             for s in shadows:
-                behind = len(s.seq.prompt_token_ids) - 1 - s.seq.num_computed
+                behind = len(s.seq.prompt_token_ids) - FIRST_FEED - s.seq.num_computed
                 if behind > 0 and budget > 0:
                     n = min(behind, budget)
                     seqs.append(ScheduledSeq(s.seq, n, 0, samples=False))
