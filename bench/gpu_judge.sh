@@ -7,8 +7,11 @@ OUT=${1:-/tmp/out}; mkdir -p "$OUT"
 [ -d .whl ] && { python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1; }
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 python3 -c "import fastapi, uvicorn, pydantic; import specdec.server.app" || { echo "server imports fail: fix the wheel set (scripts/fetch_gpu_wheels.sh)"; exit 1; }
-SERVE="python3 -m specdec.cli serve --device ${DEVICE:-cuda} --max-num-seqs 64 --kv-cache-tokens 40000 --max-model-len 2048"
-JUDGE="python3 -m specdec.cli judge ${JUDGE_SIZES:---num-prompts 8 --max-tokens 64 --concurrency 8 --busy-concurrency 32 \
+# busy = "KV cache nearly full" (JUDGE.md): every engine gets a KV cache of KV_TOKENS target tokens, small
+# enough that the judge's calibration (from the stock engine's /metrics) reaches >= 90 % use below
+# --max-num-seqs; a drafter gets a KV cache of the same number of tokens on top (within the memory slack).
+SERVE="python3 -m specdec.cli serve --device ${DEVICE:-cuda} --max-num-seqs 64 --kv-cache-tokens ${KV_TOKENS:-6000} --max-model-len 2048"
+JUDGE="python3 -m specdec.cli judge ${JUDGE_SIZES:---num-prompts 8 --max-tokens 64 --concurrency 8 \
   --busy-max-tokens 96 --gate-prompts 8} --passes 3 --request-timeout 120 --startup-timeout 240 --quiet"
 
 start() {  # start NAME PORT ARGS...: a server in the background, its log in $OUT
@@ -33,10 +36,8 @@ judge() {  # judge NAME STOCK_PORT CAND_PORT SECONDS TITLE
 if [ -z "$SKIP_TWINS" ]; then
 # 1. the headline: ref-target as a qwen3-8b twin, drafter ref-draft as a qwen3-0.6b twin, and n-gram
 start stock8b 8100 ref-target --twin qwen3-8b
-# a candidate with a drafter gets the KV memory of the stock engine's 40000 tokens, shared with its drafter
-# (the memory gate compares peaks): target 147456 B/token + 0.6b-twin drafter 114688 B/token -> 22500 tokens
-start draft8b 8101 ref-target --twin qwen3-8b --speculator draft --draft-model ref-draft --draft-twin qwen3-0.6b --num-draft-tokens 8 \
-  --kv-cache-tokens 22500
+# the drafter's weights (1.2 GB) and KV (114688 B/token) fit the memory gate's 4 GiB slack at 6000 tokens
+start draft8b 8101 ref-target --twin qwen3-8b --speculator draft --draft-model ref-draft --draft-twin qwen3-0.6b --num-draft-tokens 8
 start ngram8b 8102 ref-target --twin qwen3-8b --speculator ngram --num-draft-tokens 8
 wait_healthy 8100 8101 8102; echo "twin servers up at ${SECONDS}s"
 [ -n "$WARMUP" ] && python3 bench/warmup.py 8100 8101 8102
@@ -47,7 +48,7 @@ fi
 
 # 2. the reference pair itself
 start stock 8200 ref-target
-start draft 8201 ref-target --speculator draft --draft-model ref-draft --num-draft-tokens 8 --kv-cache-tokens 32000
+start draft 8201 ref-target --speculator draft --draft-model ref-draft --num-draft-tokens 8
 start ngram 8202 ref-target --speculator ngram --num-draft-tokens 8
 wait_healthy 8200 8201 8202; [ -n "$WARMUP" ] && python3 bench/warmup.py 8200 8201 8202
 judge draft 8200 8201 ${PAIR_JUDGE_S:-45} "ref-target, drafter ref-draft (k=8)"
