@@ -8,6 +8,8 @@
 #   speculative  bench/speculative.py: the pair, draft and n-gram, concurrency 1/16/64 (issue 4)
 #   draftverify  bench/draft_verify.py: ref-draft over /draft, tau and serving time at concurrency 32 (issue 8)
 # Usage on the device:  STAGES="judge twin" SPECDEC_COMMIT=<sha> bash bench/gpu_all.sh "$OUT"   (.whl carried)
+# Stage limits: JUDGE_STAGE_S, SPEC_STAGE_S, DV_STAGE_S; extra arguments: SPEC_ARGS, DV_ARGS; gpu_judge.sh
+# reads TWINS ("draft ngram") and PAIR (1).
 OUT=${1:-/tmp/out}; mkdir -p "$OUT"
 LIMIT=${ALL_LIMIT_S:-580}
 STAGES=${STAGES:-judge twin decode}
@@ -26,11 +28,11 @@ stage() {  # stage NAME SECONDS COMMAND...: at most SECONDS, and never past LIMI
 for s in $STAGES; do
   case $s in
     judge) HEALTH_WAIT_S=${HEALTH_WAIT_S:-150} TWIN_JUDGE_S=${TWIN_JUDGE_S:-100} PAIR_JUDGE_S=${PAIR_JUDGE_S:-40} \
-             stage judge 470 bash bench/gpu_judge.sh "$OUT"; pkill -f "specdec.cli serve"; sleep 2 ;;
+             stage judge ${JUDGE_STAGE_S:-470} bash bench/gpu_judge.sh "$OUT"; pkill -f "specdec.cli serve"; sleep 2 ;;
     twin) stage twin 90 python3 bench/twin.py --out "$OUT/twin-h200.json" --pairs ref-target:qwen3-8b --prompts 8 --steps 10 ;;
     decode) stage decode 240 python3 bench/decode.py --out "$OUT/decode-h200.json" --steps 20 ;;
-    speculative) stage speculative 200 python3 bench/speculative.py --out "$OUT/speculative-h200.json" ;;
-    draftverify) stage draftverify 150 python3 bench/draft_verify.py --device cuda --out "$OUT/draft-verify-h200.json" ;;
+    speculative) stage speculative ${SPEC_STAGE_S:-200} python3 bench/speculative.py --out "$OUT/speculative-h200.json" $SPEC_ARGS ;;
+    draftverify) stage draftverify ${DV_STAGE_S:-150} python3 bench/draft_verify.py --device cuda --out "$OUT/draft-verify-h200.json" $DV_ARGS ;;
     *) echo "unknown stage $s" ;;
   esac
 done

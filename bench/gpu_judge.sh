@@ -17,12 +17,13 @@ JUDGE="python3 -m specdec.cli judge ${JUDGE_SIZES:---num-prompts 8 --max-tokens 
 start() {  # start NAME PORT ARGS...: a server in the background, its log in $OUT
   local name=$1 port=$2; shift 2
   $SERVE --port "$port" "$@" > "$OUT/serve-$name.log" 2>&1 &
+  PIDS="$PIDS $!"
 }
 wait_healthy() {  # every port healthy, or give up as soon as a server process has died
   for p in "$@"; do
     for _ in $(seq "${HEALTH_WAIT_S:-240}"); do
       curl -sf "localhost:$p/health" >/dev/null && break
-      [ "$(jobs -rp | wc -l)" -lt "$(jobs -p | wc -l)" ] && { echo "a server died: see $OUT/serve-*.log"; exit 1; }
+      for pid in $PIDS; do kill -0 "$pid" 2>/dev/null || { echo "a server died: see $OUT/serve-*.log"; tail -n 3 "$OUT"/serve-*.log; exit 1; }; done
       sleep 1
     done
   done
@@ -33,19 +34,27 @@ judge() {  # judge NAME STOCK_PORT CAND_PORT SECONDS TITLE
   cp "$OUT/judge-$1/record.json" "$OUT/judge-h200-$1.json" 2>/dev/null; rm -f "$OUT/judge-$1"/*.log
 }
 
-if [ -z "$SKIP_TWINS" ]; then
+TWINS=${TWINS-draft ngram}  # which twin candidates to judge ("" for none); PAIR=0 skips the small pair
+if [ -n "$TWINS" ]; then
 # 1. the headline: ref-target as a qwen3-8b twin, drafter ref-draft as a qwen3-0.6b twin, and n-gram
 start stock8b 8100 ref-target --twin qwen3-8b
-# the drafter's weights (1.2 GB) and KV (114688 B/token) fit the memory gate's 4 GiB slack at 6000 tokens
-start draft8b 8101 ref-target --twin qwen3-8b --speculator draft --draft-model ref-draft --draft-twin qwen3-0.6b --num-draft-tokens 8
-start ngram8b 8102 ref-target --twin qwen3-8b --speculator ngram --num-draft-tokens 8
-wait_healthy 8100 8101 8102; echo "twin servers up at ${SECONDS}s"
-[ -n "$WARMUP" ] && python3 bench/warmup.py 8100 8101 8102
-judge twin8b-draft 8100 8101 ${TWIN_JUDGE_S:-120} "ref-target as qwen3-8b twin, drafter ref-draft as qwen3-0.6b twin (k=8)"
-judge twin8b-ngram 8100 8102 ${TWIN_JUDGE_S:-120} "ref-target as qwen3-8b twin, n-gram speculator (k=8)"
-kill %1 %2 %3; wait; echo "twin judges done at ${SECONDS}s"
+ports=8100
+case " $TWINS " in *" draft "*)
+  # the drafter's weights (1.2 GB) and KV (114688 B/token) fit the memory gate's 4 GiB slack at 6000 tokens
+  start draft8b 8101 ref-target --twin qwen3-8b --speculator draft --draft-model ref-draft --draft-twin qwen3-0.6b \
+    --num-draft-tokens 8; ports="$ports 8101" ;; esac
+case " $TWINS " in *" ngram "*)
+  start ngram8b 8102 ref-target --twin qwen3-8b --speculator ngram --num-draft-tokens 8; ports="$ports 8102" ;; esac
+wait_healthy $ports; echo "twin servers up at ${SECONDS}s"
+[ -n "$WARMUP" ] && python3 bench/warmup.py $ports
+case " $TWINS " in *" draft "*)
+  judge twin8b-draft 8100 8101 ${TWIN_JUDGE_S:-120} "ref-target as qwen3-8b twin, drafter ref-draft as qwen3-0.6b twin (k=8)" ;; esac
+case " $TWINS " in *" ngram "*)
+  judge twin8b-ngram 8100 8102 ${TWIN_JUDGE_S:-120} "ref-target as qwen3-8b twin, n-gram speculator (k=8)" ;; esac
+kill $PIDS; wait; PIDS=""; echo "twin judges done at ${SECONDS}s"
 fi
 
+[ "${PAIR:-1}" = 0 ] && { echo "judges done at ${SECONDS}s"; exit 0; }
 # 2. the reference pair itself
 start stock 8200 ref-target
 start draft 8201 ref-target --speculator draft --draft-model ref-draft --num-draft-tokens 8
@@ -53,6 +62,6 @@ start ngram 8202 ref-target --speculator ngram --num-draft-tokens 8
 wait_healthy 8200 8201 8202; [ -n "$WARMUP" ] && python3 bench/warmup.py 8200 8201 8202
 judge draft 8200 8201 ${PAIR_JUDGE_S:-45} "ref-target, drafter ref-draft (k=8)"
 judge ngram 8200 8202 ${PAIR_JUDGE_S:-45} "ref-target, n-gram speculator (k=8)"
-kill %1 %2 %3; wait; echo "pair judges done at ${SECONDS}s"
+kill $PIDS; wait; PIDS=""; echo "pair judges done at ${SECONDS}s"
 
 echo "judges done at ${SECONDS}s"

@@ -53,6 +53,17 @@ class Kernels:
     fused = False
 
 
+RECOMPILE_LIMIT = 64  # variants per piece: a target and a drafter of other widths, 1 or many rows, views
+
+
+def compile_elementwise(fn, backend: str = "inductor"):
+    """fn compiled for any shape.  Each piece still gets a variant per distinct guard (one row or many,
+    2-D or per-head 3-D, contiguous or a view, a target and a drafter), so the recompile limit is raised;
+    and not fullgraph, so that a piece past the limit runs eagerly instead of failing the step."""
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+    return torch.compile(fn, dynamic=True, backend=backend)
+
+
 def enable_fused_kernels() -> bool:
     """Compile the elementwise pieces (GPU only); returns whether they are now in use.
 
@@ -60,8 +71,7 @@ def enable_fused_kernels() -> bool:
     unsupported GPU) the plain versions stay and a warning says why."""
     if Kernels.fused or not torch.cuda.is_available():
         return Kernels.fused
-    compile_ = lambda fn: torch.compile(fn, dynamic=True, fullgraph=True)  # noqa: E731
-    compiled = {name: compile_(fn) for name, fn in (("rms_norm", rms_norm), ("add_rms_norm", add_rms_norm),
+    compiled = {name: compile_elementwise(fn) for name, fn in (("rms_norm", rms_norm), ("add_rms_norm", add_rms_norm),
                                                     ("rotate", rotate), ("rms_norm_rotate", rms_norm_rotate),
                                                     ("silu_mul", silu_mul))}
     try:
