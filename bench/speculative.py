@@ -109,6 +109,7 @@ def main(argv=None) -> int:
             row.update(config=name, concurrency=c)
             results["loads"].append(row)
             print(json.dumps(row), flush=True)
+            write_json(args.out, results)  # kept if a time limit ends the run early
             del llm
     results.update(transformers_peer(device, load_prompts(9), args.max_tokens))
     print({k: v for k, v in results.items() if k.startswith("hf_")})
