@@ -6,6 +6,7 @@
 #   twin         bench/twin.py: twin vs small model greedy agreement, twin vs random-weight step time (issue 11)
 #   decode       bench/decode.py: the 8B decode tables, verify cost, kernel profiles (issue 3)
 #   speculative  bench/speculative.py: the pair, draft and n-gram, concurrency 1/16/64 (issue 4)
+#   specsteps    bench/spec_steps.py: batch-1 step times by k and engine memory, twin target and drafter (issues 4, 11)
 #   draftverify  bench/draft_verify.py: ref-draft over /draft, tau and serving time at concurrency 32 (issue 8)
 # Usage on the device:  STAGES="judge twin" SPECDEC_COMMIT=<sha> bash bench/gpu_all.sh "$OUT"   (.whl carried)
 # Stage limits: JUDGE_STAGE_S, SPEC_STAGE_S, DV_STAGE_S; extra arguments: SPEC_ARGS, DV_ARGS; gpu_judge.sh
@@ -32,6 +33,7 @@ for s in $STAGES; do
     twin) stage twin 90 python3 bench/twin.py --out "$OUT/twin-h200.json" --pairs ref-target:qwen3-8b --prompts 8 --steps 10 ;;
     decode) stage decode 240 python3 bench/decode.py --out "$OUT/decode-h200.json" --steps 20 ;;
     speculative) stage speculative ${SPEC_STAGE_S:-200} python3 bench/speculative.py --out "$OUT/speculative-h200.json" $SPEC_ARGS ;;
+    specsteps) stage specsteps ${STEPS_STAGE_S:-150} python3 bench/spec_steps.py --out "$OUT/spec-steps-h200.json" $STEPS_ARGS ;;
     draftverify) stage draftverify ${DV_STAGE_S:-150} python3 bench/draft_verify.py --device cuda --out "$OUT/draft-verify-h200.json" $DV_ARGS ;;
     *) echo "unknown stage $s" ;;
   esac

@@ -68,6 +68,10 @@ class StaticRunner:
         self.staged = torch.cuda.Event() if self.capture else None  # the last copy out of staging is done
         self.q_offsets = np.arange(max_q)
         self.graphs: dict[tuple[int, int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # Every captured graph writes its logits into this one buffer (rows of the largest shape): a graph
+        # that kept its own output would hold [batch * q, V] per shape for good (GBs over a ladder).
+        self.logits: torch.Tensor | None = None
+        self.logits_rows_wanted = 0  # precapture's largest shape: the buffer is made this big at once
         self.pool = torch.cuda.graph_pool_handle() if self.capture else None
         self.replays = 0
         self.shapes: set[tuple[int, int, int]] = set()  # (batch, q, context) run by precapture()
@@ -92,7 +96,8 @@ class StaticRunner:
 
     @torch.inference_mode()
     def run(self, seqs: list[ScheduledSeq]) -> list[torch.Tensor]:
-        """Logits [q, V] per sequence (rows as in ModelRunner.forward)."""
+        """Logits [q, V] per sequence (rows as in ModelRunner.forward); on a GPU they are views of the shared
+        buffer, valid until this runner's next step."""
         batch, q, context = self.shape_of(seqs)
         self._fill(seqs, q, batch, context)
         logits = self._forward(batch, q, context)  # [batch * q, V]
@@ -108,6 +113,7 @@ class StaticRunner:
         contexts = [c for c in (256 << i for i in range(20)) if c <= self.max_context]
         shapes = [(b, q, c) for q in sorted(set(qs)) if 1 <= q <= self.max_q
                   for b in reversed(batches) for c in contexts]
+        self.logits_rows_wanted = max([b * q for b, q, _ in shapes] + [self.logits_rows_wanted])
         for batch, q, context in shapes:
             self._fill([], q, batch, context)  # padding rows only: scratch slots, no real sequence is touched
             self._forward(batch, q, context)
@@ -177,14 +183,24 @@ class StaticRunner:
         ).prepare(self.block_size)
         return self.model(ids, positions, attn, self.kv_cache.layers)
 
+    def _logits_buffer(self, rows: int, like: torch.Tensor) -> torch.Tensor:
+        """rows rows of the shared logits buffer (columns and dtype as `like`), grown if too small; graphs
+        captured before keep the old buffer."""
+        if self.logits is None or self.logits.shape[0] < rows:
+            rows_made = max(rows, self.logits_rows_wanted)
+            self.logits = torch.empty(rows_made, *like.shape[1:], dtype=like.dtype, device=self.device)
+        return self.logits[:rows]
+
     def _capture(self, batch: int, q: int, context: int):
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             for _ in range(2):  # warm-up outside the graph (allocator, kernels' lazy init)
-                self._eager(batch, q, context)
+                warm = self._eager(batch, q, context)
         torch.cuda.current_stream(self.device).wait_stream(stream)
+        out = self._logits_buffer(batch * q, warm)
+        del warm
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            out = self._eager(batch, q, context)
+            out.copy_(self._eager(batch, q, context))  # the forward's own output is freed: the pool reuses it
         return graph, out

@@ -1,0 +1,137 @@
+#!/usr/bin/env python3
+"""Where a speculating engine's time and memory go at batch 1 (the judge's solo load), on scaled twins.
+
+For the plain twin engine and each speculating one: tokens/s over a few sampled replies (temperature 1,
+seeded), the mean engine step time, per k the steps taken, their mean time and the drafter's share of it
+(`propose`), tokens per step, and the device memory the engine holds (allocated and reserved).
+
+GPU:  python3 bench/spec_steps.py --out $OUT/spec-steps-h200.json
+CPU dry run (tiny, no twins):  python3 bench/spec_steps.py --device cpu --target-twin "" --draft-twin "" \\
+          --prompts 2 --tokens 16 --out /tmp/spec-steps.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import gc
+import json
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+import torch  # noqa: E402
+
+from bench.common import environment, sync, write_json  # noqa: E402
+from specdec import LLM, SamplingParams  # noqa: E402
+from specdec.assets import heldout_prompts_path  # noqa: E402
+from specdec.speculate import SpecConfig  # noqa: E402
+
+
+class StepClock:
+    """Times every engine step and the speculator's propose() within it, grouped by the step's k."""
+
+    def __init__(self, llm: LLM):
+        self.engine = llm.engine
+        self.by_k: dict[int, list[float]] = collections.defaultdict(list)
+        self.propose_by_k: dict[int, list[float]] = collections.defaultdict(list)
+        self.tokens_by_k: dict[int, int] = collections.Counter()
+        self._propose_s = 0.0
+        step, spec = self.engine.step, self.engine.speculator
+        if spec is not None:
+            propose = spec.propose
+
+            def timed_propose(requests, ks):
+                t0 = time.perf_counter()
+                propose(requests, ks)
+                self._propose_s += time.perf_counter() - t0
+            spec.propose = timed_propose
+
+        def timed_step():
+            self._propose_s = 0.0
+            before = self.engine.stats["tokens_emitted"]
+            t0 = time.perf_counter()
+            finished = step()
+            sync(self.engine.device)
+            k = self.engine.controller.last_k if self.engine.controller is not None else 0
+            self.by_k[k].append(time.perf_counter() - t0)
+            self.propose_by_k[k].append(self._propose_s)
+            self.tokens_by_k[k] += self.engine.stats["tokens_emitted"] - before
+            return finished
+        self.engine.step = timed_step
+
+    def reset(self) -> None:
+        self.by_k.clear()
+        self.propose_by_k.clear()
+        self.tokens_by_k.clear()
+
+    def summary(self) -> dict:
+        return {str(k): {"steps": len(t), "step_ms": 1e3 * sum(t) / len(t),
+                         "propose_ms": 1e3 * sum(self.propose_by_k[k]) / len(t),
+                         "tokens_per_step": self.tokens_by_k[k] / len(t)}
+                for k, t in sorted(self.by_k.items())}
+
+
+def measure(name: str, make, prompts: list[str], tokens: int, device: torch.device) -> dict:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    t0 = time.perf_counter()
+    llm = make()
+    built_s = time.perf_counter() - t0
+    clock = StepClock(llm)
+    params = [SamplingParams(max_tokens=tokens, temperature=1.0, seed=i, ignore_eos=True) for i in range(len(prompts))]
+    llm.generate(prompts[:1], params[:1])  # warm-up
+    clock.reset()
+    emitted, t0 = 0, time.perf_counter()
+    for prompt, p in zip(prompts, params):  # one at a time, as the judge's solo load
+        emitted += len(llm.generate([prompt], p)[0].token_ids)
+    seconds = time.perf_counter() - t0
+    row = {"config": name, "built_s": built_s, "tok_s": emitted / seconds, "by_k": clock.summary()}
+    if device.type == "cuda":
+        row.update(allocated_mib=torch.cuda.memory_allocated(device) / 2**20,
+                   reserved_mib=torch.cuda.memory_reserved(device) / 2**20,
+                   peak_allocated_mib=torch.cuda.max_memory_allocated(device) / 2**20)
+    del llm, clock
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return row
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default="bench/results/spec-steps-h200.json")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--target", default="ref-target")
+    parser.add_argument("--target-twin", default="qwen3-8b")
+    parser.add_argument("--draft", default="ref-draft")
+    parser.add_argument("--draft-twin", default="qwen3-0.6b")
+    parser.add_argument("--prompts", type=int, default=4)
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--configs", default="plain,draft-adaptive-k8,draft-k4")
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    prompts = [json.loads(line)["prompt"] for line in heldout_prompts_path().read_text().splitlines()[:args.prompts]]
+    engine = dict(device=device, max_num_seqs=1, kv_cache_tokens=4096, max_model_len=2048,
+                  twin=args.target_twin or None)
+    draft = dict(model=args.draft, draft_twin=args.draft_twin or None)
+    configs = {"plain": None,
+               "draft-adaptive-k8": SpecConfig("draft", num_draft_tokens=8, **draft),
+               "draft-k4": SpecConfig("draft", num_draft_tokens=4, adaptive=False, **draft),
+               "draft-k2": SpecConfig("draft", num_draft_tokens=2, adaptive=False, **draft)}
+    results = {"env": environment(device), "target": f"{args.target} as {args.target_twin} twin",
+               "drafter": f"{args.draft} as {args.draft_twin} twin", "tokens": args.tokens, "rows": []}
+    for name in args.configs.split(","):
+        row = measure(name, lambda: LLM(args.target, speculator=configs[name], **engine), prompts, args.tokens,
+                      device)
+        results["rows"].append(row)
+        print(json.dumps(row), flush=True)
+        write_json(args.out, results)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
