@@ -183,3 +183,22 @@ def test_precapturing_every_shape_touches_no_sequence(qwen3_dir, alone):
     static._forward = lambda *shape: used.append(shape) or run_shape(*shape)
     assert [o.token_ids for o in llm.generate(prompts(6), GREEDY)] == alone
     assert static.frozen and used and set(used) <= static.shapes  # other shapes ran eagerly, none was captured
+
+
+def test_fixed_shape_steps_share_one_logits_buffer():
+    """Captured graphs write their logits into one buffer, grown to the largest shape, instead of each keeping
+    its own [batch * q, V] output (GBs over a verify ladder at 8B)."""
+    from specdec.engine.static_runner import StaticRunner
+
+    class Cache:
+        block_size, scratch_block, layers = 16, 0, []
+
+    runner = StaticRunner(None, Cache(), torch.device("cpu"), max_batch=8, max_q=5, max_context=256, capture=False)
+    like = torch.zeros(1, 11)
+    small = runner._logits_buffer(4, like)
+    again = runner._logits_buffer(2, like)
+    assert small.shape == (4, 11) and again.data_ptr() == small.data_ptr()  # a smaller shape reuses it
+    bigger = runner._logits_buffer(10, like)
+    assert bigger.shape == (10, 11) and runner.logits.shape[0] == 10
+    runner.logits, runner.logits_rows_wanted = None, 40  # precapture asks for its largest shape at once
+    assert runner._logits_buffer(3, like).shape == (3, 11) and runner.logits.shape[0] == 40
