@@ -2,8 +2,9 @@
 """Where a speculating engine's time and memory go at batch 1 (the judge's solo load), on scaled twins.
 
 For the plain twin engine and each speculating one: tokens/s over a few sampled replies (temperature 1,
-seeded), the mean engine step time, per k the steps taken, their mean time and the drafter's share of it
-(`propose`), tokens per step, and the device memory the engine holds (allocated and reserved).
+seeded), per k the steps taken, their mean time and the drafter's share of it (`propose`), tokens per step,
+the steps in which the drafter first caught up on tokens it had skipped (speculation switched back on) and
+their mean time, and the device memory the engine holds (allocated and reserved).
 
 GPU:  python3 bench/spec_steps.py --out $OUT/spec-steps-h200.json
 CPU dry run (tiny, no twins):  python3 bench/spec_steps.py --device cpu --target-twin "" --draft-twin "" \\
@@ -39,6 +40,7 @@ class StepClock:
         self.by_k: dict[int, list[float]] = collections.defaultdict(list)
         self.propose_by_k: dict[int, list[float]] = collections.defaultdict(list)
         self.tokens_by_k: dict[int, int] = collections.Counter()
+        self.catch_up_s: list[float] = []  # steps whose drafter first caught up on tokens it had skipped
         self._propose_s = 0.0
         step, spec = self.engine.step, self.engine.speculator
         if spec is not None:
@@ -53,26 +55,38 @@ class StepClock:
         def timed_step():
             self._propose_s = 0.0
             before = self.engine.stats["tokens_emitted"]
+            forwards = self._draft_forwards()
             t0 = time.perf_counter()
             finished = step()
             sync(self.engine.device)
+            seconds = time.perf_counter() - t0
             k = self.engine.controller.last_k if self.engine.controller is not None else 0
-            self.by_k[k].append(time.perf_counter() - t0)
+            if k and self._draft_forwards() - forwards > k:  # more drafter forwards than drafts: a catch-up
+                self.catch_up_s.append(seconds)
+            self.by_k[k].append(seconds)
             self.propose_by_k[k].append(self._propose_s)
             self.tokens_by_k[k] += self.engine.stats["tokens_emitted"] - before
             return finished
         self.engine.step = timed_step
 
+    def _draft_forwards(self) -> int:
+        spec = self.engine.speculator
+        return spec.stats.get("draft_forwards", 0) if spec is not None and hasattr(spec, "stats") else 0
+
     def reset(self) -> None:
+        self.catch_up_s.clear()
         self.by_k.clear()
         self.propose_by_k.clear()
         self.tokens_by_k.clear()
 
     def summary(self) -> dict:
-        return {str(k): {"steps": len(t), "step_ms": 1e3 * sum(t) / len(t),
+        by_k = {str(k): {"steps": len(t), "step_ms": 1e3 * sum(t) / len(t),
                          "propose_ms": 1e3 * sum(self.propose_by_k[k]) / len(t),
                          "tokens_per_step": self.tokens_by_k[k] / len(t)}
                 for k, t in sorted(self.by_k.items())}
+        catch_up = {"steps": len(self.catch_up_s),
+                    "step_ms": 1e3 * sum(self.catch_up_s) / max(1, len(self.catch_up_s))}
+        return {"by_k": by_k, "catch_up": catch_up}
 
 
 def measure(name: str, make, prompts: list[str], tokens: int, device: torch.device) -> dict:
@@ -89,7 +103,7 @@ def measure(name: str, make, prompts: list[str], tokens: int, device: torch.devi
     for prompt, p in zip(prompts, params):  # one at a time, as the judge's solo load
         emitted += len(llm.generate([prompt], p)[0].token_ids)
     seconds = time.perf_counter() - t0
-    row = {"config": name, "built_s": built_s, "tok_s": emitted / seconds, "by_k": clock.summary()}
+    row = {"config": name, "built_s": built_s, "tok_s": emitted / seconds, **clock.summary()}
     if device.type == "cuda":
         row.update(allocated_mib=torch.cuda.memory_allocated(device) / 2**20,
                    reserved_mib=torch.cuda.memory_reserved(device) / 2**20,
