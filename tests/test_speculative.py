@@ -134,10 +134,44 @@ def test_first_speculating_step_after_plain_ones_is_not_the_measured_rate():
     """It also pays the drafter's catch-up on the tokens it skipped: the guard does not count it."""
     ctl = KController(4, StepCostTable({1: 1.0, 4096: 1.0}), lambda b: 0.0)
     ctl.observe_step(1, 0, 1, 1.0)
-    ctl.observe_step(1, 4, 3, 30.0)  # switch-on: catch-up included
+    k = ctl.choose(["a"], 0)
+    ctl.observe_step(1, k, 3, 30.0)  # switch-on: catch-up included
     assert (0, True) not in ctl.guard.rate
-    ctl.observe_step(1, 4, 3, 1.2)
-    assert ctl.guard.rate[(0, True)] == pytest.approx(2.5)
+    ctl.observe_step(1, k, 3, 1.2)
+    # the guard measures the time; the tokens are what the acceptance estimates expect (prior 0.8 here)
+    assert ctl.guard.rate[(0, True)] == pytest.approx(expected_tokens(0.8, k) / 1.2)
+
+
+def simulate_guard(alpha: float, spec_seconds: float, steps: int = 3000, seed: int = 0) -> tuple[int, int]:
+    """One request, k <= 4, each draft accepted with probability alpha, plain steps 1 s, speculating steps
+    spec_seconds; returns (speculating steps, times speculation was switched back on)."""
+    rng = np.random.default_rng(seed)
+    ctl = KController(4, StepCostTable({1: 1.0, 4096: 1.0}), lambda b: 0.0)
+    speculated = switch_ons = previous = 0
+    for _ in range(steps):
+        k = ctl.choose(["a"], 0)
+        accepted = 0
+        while accepted < k and rng.random() < alpha:
+            accepted += 1
+        if k:
+            ctl.acceptance.update("a", k, accepted)
+        ctl.observe_step(1, k, accepted + 1, spec_seconds if k else 1.0)
+        speculated += k > 0
+        switch_ons += k > 0 and previous == 0
+        previous = k
+    return speculated, switch_ons
+
+
+def test_goodput_guard_holds_its_verdict_through_noise():
+    """Every switch back on costs the drafter a catch-up, so the guard must not flip on single lucky or unlucky
+    steps: where speculation is clearly better it keeps running, where it only breaks even it stays off
+    but for its probes."""
+    probes = 3000 // GoodputGuard.MAX_PROBE_EVERY + 8  # the gap doubles from PROBE_EVERY to its maximum
+    speculated, switch_ons = simulate_guard(0.7, 1.15)  # 2.77 tokens in 1.15 s against 1 in 1 s
+    assert speculated > 0.95 * 3000 and switch_ons <= probes  # back on only after probing plain decoding
+    break_even = expected_tokens(0.5, 4)  # 1.94 tokens in 1.94 s: the same goodput as plain decoding
+    speculated, switch_ons = simulate_guard(0.5, break_even)
+    assert switch_ons <= probes and speculated < 0.15 * 3000
 
 
 def test_ngram_draft_finds_the_longest_recent_suffix_and_stops_at_eos():

@@ -126,7 +126,11 @@ class GoodputGuard:
     PROBE_EVERY = 16
     MAX_PROBE_EVERY = 128
     PROBE_STEPS = 2
-    MARGIN = 0.97  # speculation must reach 97% of plain decoding's goodput to keep running
+    # Hysteresis: speculation keeps running while it reaches 97% of plain decoding's goodput, but is switched
+    # back on only when it beats plain by 3%.  Switching on costs the drafter a catch-up on every token it
+    # skipped, which the rates leave out, so a verdict that flipped on noise would pay it again and again.
+    KEEP_MARGIN = 0.97
+    SWITCH_ON_MARGIN = 1.03
 
     def __init__(self):
         self.rate: dict[tuple[int, bool], float] = {}  # (bucket, speculated) -> tokens/s
@@ -134,6 +138,7 @@ class GoodputGuard:
         self.gap: dict[int, int] = {}  # steps between probes
         self.next_probe: dict[int, int] = {}  # step at which the bucket's next probe starts
         self.verdict: dict[int, bool] = {}  # the preferred arm when the current probe started
+        self.preferred: dict[int, bool] = {}  # the arm the rates last pointed to (the hysteresis state)
 
     @staticmethod
     def bucket(batch: int) -> int:
@@ -141,7 +146,11 @@ class GoodputGuard:
 
     def prefers_speculation(self, b: int) -> bool | None:
         spec, plain = self.rate.get((b, True)), self.rate.get((b, False))
-        return None if spec is None or plain is None else spec >= self.MARGIN * plain
+        if spec is None or plain is None:
+            return None
+        margin = self.KEEP_MARGIN if self.preferred.get(b, False) else self.SWITCH_ON_MARGIN
+        self.preferred[b] = spec >= margin * plain
+        return self.preferred[b]
 
     def allow(self, batch: int) -> bool:
         b = self.bucket(batch)
@@ -183,6 +192,7 @@ class KController:
         self.acceptance = AcceptanceTracker()
         self.guard = GoodputGuard()
         self.last_k = k_max
+        self.last_expected = 0.0  # tokens the acceptance estimates expect from the last chosen step
         self._speculated = False  # did the previous observed step speculate?
 
     def candidates(self) -> list[int]:
@@ -191,11 +201,15 @@ class KController:
         return sorted({0, self.k_max} | {2**i for i in range(6) if 2**i < self.k_max})
 
     def observe_step(self, batch: int, k: int, tokens: int, seconds: float) -> None:
-        """A finished step: `batch` decoding requests at `k` drafts emitted `tokens` in `seconds`."""
+        """A finished step: `batch` decoding requests at `k` drafts emitted `tokens` in `seconds`.
+
+        The guard gets the measured time but, for a speculating step, the tokens the acceptance estimates
+        expected (`last_expected`): a single step's accepted count swings between 1 and k + 1 per request,
+        the estimates average many drafts, and the time is what the guard is there to check."""
         switch_on = k > 0 and not self._speculated  # includes the drafter's catch-up: not the steady rate
         self._speculated = k > 0
         if self.adaptive and not switch_on:
-            self.guard.observe(batch, k > 0, tokens, seconds)
+            self.guard.observe(batch, k > 0, self.last_expected if k > 0 else tokens, seconds)
 
     def choose(self, request_ids: list[str], other_tokens: int) -> int:
         """k for this step, given the decoding requests and the prefill tokens sharing the step."""
@@ -215,4 +229,5 @@ class KController:
         if best_k > 0 and not self.guard.allow(batch):
             best_k = 0
         self.last_k = best_k
+        self.last_expected = sum(expected_tokens(a, best_k) for a in rates)
         return best_k

@@ -4,8 +4,9 @@ For every target request the drafter keeps a shadow sequence: the tokens its cac
 Each step the shadow is synced with the request (a rejected draft makes the shadow diverge; its
 cache is valid only up to the first difference).  The chain's first forward feeds the shadow's new
 tokens and yields draft 1: one token after a rejection, two after full acceptance (the last draft,
-never fed, and the bonus token), so it runs as a fixed-shape (CUDA-graph) step; only a shadow further
-behind (speculation just switched on) first catches up in separate forwards.  Then each draft is fed
+never fed, and the bonus token), up to four after a short plain stretch, so it runs as a fixed-shape
+(CUDA-graph) step; only a shadow further behind (speculation off for longer) first catches up in separate
+forwards.  Then each draft is fed
 to get the next: k forwards for k drafts, all requests batched together.
 """
 
@@ -23,7 +24,9 @@ from specdec.speculate.base import Speculator
 from specdec.verify import sample
 
 CATCH_UP_CHUNK = 2048  # most tokens fed in one drafter forward while catching up
-FIRST_FEED = 2  # most new tokens the chain's first forward takes (after full acceptance: last draft + bonus)
+# Most new tokens the chain's first forward takes: after full acceptance the last draft and the bonus, plus
+# the tokens of up to two plain steps (the goodput guard's probe of plain decoding) before drafting resumes.
+FIRST_FEED = 4
 
 
 class Shadow:
