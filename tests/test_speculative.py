@@ -142,6 +142,26 @@ def test_first_speculating_step_after_plain_ones_is_not_the_measured_rate():
     assert ctl.guard.rate[(0, True)] == pytest.approx(expected_tokens(0.8, k) / 1.2)
 
 
+def test_guard_counts_the_drafts_really_proposed():
+    """An n-gram lookup finds drafts for few requests; the guard must expect tokens from those drafts only, or
+    useless verify steps would look like a win (they did: ngram kept drafting under a full KV cache)."""
+    ctl = KController(4, StepCostTable({1: 1.0, 4096: 1.0}), lambda b: 0.0)
+    ids = ["a", "b", "c"]
+    k = ctl.choose(ids, 0)
+    assert k == 4 and ctl.last_expected == pytest.approx(3 * expected_tokens(0.8, 4))
+    ctl.drafted(ids, [0, 0, 2])
+    assert ctl.last_expected == pytest.approx(2 + expected_tokens(0.8, 2))
+
+
+def test_engine_tells_the_controller_what_was_drafted(qwen3_dir, plain):
+    llm = spec_llm(qwen3_dir, SpecConfig("ngram", num_draft_tokens=4))
+    seen = []
+    drafted = llm.engine.controller.drafted
+    llm.engine.controller.drafted = lambda ids, counts: seen.append(counts) or drafted(ids, counts)
+    assert [o.token_ids for o in llm.generate(mixed_prompts(), GREEDY)] == plain
+    assert seen and any(0 < sum(c) < 4 * len(c) for c in seen)  # some requests found fewer drafts than k
+
+
 def simulate_guard(alpha: float, spec_seconds: float, steps: int = 3000, seed: int = 0) -> tuple[int, int]:
     """One request, k <= 4, each draft accepted with probability alpha, plain steps 1 s, speculating steps
     spec_seconds; returns (speculating steps, times speculation was switched back on)."""

@@ -200,6 +200,8 @@ class Engine:
         ks = [max(0, min(k, r.params.max_tokens - len(r.output_token_ids) - 1,
                          self.max_model_len - r.num_tokens - 1)) for r in decoding]
         self.speculator.propose(decoding, ks)
+        if k:
+            self.controller.drafted([r.request_id for r in decoding], [len(r.draft_token_ids) for r in decoding])
         return len(decoding)
 
     def _on_finished(self, req: Request) -> None:

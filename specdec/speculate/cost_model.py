@@ -229,5 +229,10 @@ class KController:
         if best_k > 0 and not self.guard.allow(batch):
             best_k = 0
         self.last_k = best_k
-        self.last_expected = sum(expected_tokens(a, best_k) for a in rates)
+        self.last_expected = sum(expected_tokens(a, best_k) for a in rates)  # until drafted() says better
         return best_k
+
+    def drafted(self, request_ids: list[str], counts: list[int]) -> None:
+        """The drafts the speculator really proposed this step (an n-gram lookup often finds none): the
+        expected tokens the guard is given count those, not k for every request."""
+        self.last_expected = sum(expected_tokens(self.acceptance.rate(r), n) for r, n in zip(request_ids, counts))
