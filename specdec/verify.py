@@ -90,10 +90,8 @@ def sample(probs: torch.Tensor, generators: Generators = None) -> torch.Tensor:
 
     The same exponential race as the verifier's final token, fed by V uniforms per row; no host sync."""
     rows, vocab = probs.shape
-    if generators is None or all(g is None for g in generators):
-        u = torch.rand(rows, vocab, device=probs.device)
-    else:
-        u = torch.stack([_uniforms(gen, vocab, probs.device) for gen in generators])
+    no_drafts = torch.zeros(rows, dtype=torch.long)  # on the host: counts read without a sync
+    _, u = _draw_uniforms(generators, no_drafts, rows, 0, vocab, probs.device)  # [rows, V]
     return _exponential_race(probs.float(), u)
 
 
@@ -158,16 +156,11 @@ def _draw_uniforms(generators, n_drafts, batch, k, vocab, device):
     counts = n_drafts.tolist()
     accept_rows, race_rows = [], []
     for n, gen in zip(counts, generators):
-        u = _uniforms(gen, n + vocab, device)
+        gen_device = device if gen is None else gen.device
+        u = torch.rand(n + vocab, generator=gen, device=gen_device).to(device)
         accept_rows.append(F.pad(u[:n], (0, k - n), value=1.0))
         race_rows.append(u[n:])
     return torch.stack(accept_rows), torch.stack(race_rows)
-
-
-def _uniforms(gen: torch.Generator | None, count: int, device: torch.device) -> torch.Tensor:
-    """count uniforms in [0, 1) from gen (None: the global RNG), on device."""
-    gen_device = device if gen is None else gen.device
-    return torch.rand(count, generator=gen, device=gen_device).to(device)
 
 
 def _num_accepted(draft_ids, draft_probs, target_probs, n_drafts, u_accept):

@@ -220,16 +220,16 @@ class KController:
             return self.k_max
         rates = [self.acceptance.rate(r) for r in request_ids]
         batch = len(request_ids)
-        best_k, best_rate = 0, 0.0
+        best_k, best_rate, best_tokens = 0, 0.0, float(batch)
         for k in self.candidates():
             tokens = sum(expected_tokens(a, k) for a in rates)
             cost = self.target_cost(other_tokens + batch * (k + 1)) + k * self.draft_cost(batch)
             if tokens / cost > best_rate * 1.0001:
-                best_k, best_rate = k, tokens / cost
+                best_k, best_rate, best_tokens = k, tokens / cost, tokens
         if best_k > 0 and not self.guard.allow(batch):
-            best_k = 0
+            best_k, best_tokens = 0, float(batch)
         self.last_k = best_k
-        self.last_expected = sum(expected_tokens(a, best_k) for a in rates)  # until drafted() says better
+        self.last_expected = best_tokens  # until drafted() says what was really proposed
         return best_k
 
     def drafted(self, request_ids: list[str], counts: list[int]) -> None:

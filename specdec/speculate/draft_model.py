@@ -6,8 +6,8 @@ cache is valid only up to the first difference).  The chain's first forward feed
 tokens and yields draft 1: one token after a rejection, two after full acceptance (the last draft,
 never fed, and the bonus token), up to four after a short plain stretch, so it runs as a fixed-shape
 (CUDA-graph) step; only a shadow further behind (speculation off for longer) first catches up in separate
-forwards.  Then each draft is fed
-to get the next: k forwards for k drafts, all requests batched together.
+forwards.  Then each draft is fed to get the next: k forwards for k drafts, all requests batched
+together.
 """
 
 from __future__ import annotations
