@@ -134,6 +134,7 @@ def main(argv=None) -> int:
     draft = dict(model=args.draft, draft_twin=args.draft_twin or None)
     configs = {"plain": None,
                "draft-adaptive-k8": SpecConfig("draft", num_draft_tokens=8, **draft),
+               "draft-k8": SpecConfig("draft", num_draft_tokens=8, adaptive=False, **draft),
                "draft-k4": SpecConfig("draft", num_draft_tokens=4, adaptive=False, **draft),
                "draft-k2": SpecConfig("draft", num_draft_tokens=2, adaptive=False, **draft)}
     results = {"env": environment(device), "target": f"{args.target} as {args.target_twin} twin",
