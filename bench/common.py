@@ -72,3 +72,10 @@ def write_json(path: str | Path, data: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=2) + "\n")
     print(f"wrote {path}")
+
+
+def compiles() -> int:
+    """Graphs torch.compile has built so far in this process (a compile inside a timed load costs ~1 s)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])

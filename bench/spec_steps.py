@@ -26,7 +26,7 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
-from bench.common import environment, sync, write_json  # noqa: E402
+from bench.common import compiles, environment, sync, write_json  # noqa: E402
 from specdec import LLM, SamplingParams  # noqa: E402
 from specdec.assets import heldout_prompts_path  # noqa: E402
 from specdec.speculate import SpecConfig  # noqa: E402
@@ -80,7 +80,7 @@ class StepClock:
         self.tokens_by_k.clear()
 
     def summary(self) -> dict:
-        by_k = {str(k): {"steps": len(t), "step_ms": 1e3 * sum(t) / len(t),
+        by_k = {str(k): {"steps": len(t), "step_ms": 1e3 * sum(t) / len(t), "max_ms": 1e3 * max(t),
                          "propose_ms": 1e3 * sum(self.propose_by_k[k]) / len(t),
                          "tokens_per_step": self.tokens_by_k[k] / len(t)}
                 for k, t in sorted(self.by_k.items())}
@@ -99,11 +99,15 @@ def measure(name: str, make, prompts: list[str], tokens: int, device: torch.devi
     params = [SamplingParams(max_tokens=tokens, temperature=1.0, seed=i, ignore_eos=True) for i in range(len(prompts))]
     llm.generate(prompts[:1], params[:1])  # warm-up
     clock.reset()
+    before, compiles_before = llm.engine.metrics(), compiles()
     emitted, t0 = 0, time.perf_counter()
     for prompt, p in zip(prompts, params):  # one at a time, as the judge's solo load
         emitted += len(llm.generate([prompt], p)[0].token_ids)
     seconds = time.perf_counter() - t0
-    row = {"config": name, "built_s": built_s, "tok_s": emitted / seconds, **clock.summary()}
+    after = llm.engine.metrics()
+    row = {"config": name, "built_s": built_s, "tok_s": emitted / seconds, **clock.summary(),
+           "compiles": compiles() - compiles_before,
+           **{key: after.get(key, 0) - before.get(key, 0) for key in ("eager_forwards", "draft_eager_forwards")}}
     if device.type == "cuda":
         row.update(allocated_mib=torch.cuda.memory_allocated(device) / 2**20,
                    reserved_mib=torch.cuda.memory_reserved(device) / 2**20,

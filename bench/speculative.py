@@ -21,7 +21,7 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
-from bench.common import environment, sync, write_json  # noqa: E402
+from bench.common import compiles, environment, sync, write_json  # noqa: E402
 from specdec import LLM, SamplingParams  # noqa: E402
 from specdec.assets import heldout_prompts_path, short_name_path  # noqa: E402
 from specdec.speculate import SpecConfig  # noqa: E402
@@ -42,6 +42,7 @@ def load_prompts(n: int) -> list[str]:
 
 def run_load(llm: LLM, prompts: list[str], params: SamplingParams) -> dict:
     before = dict(llm.engine.metrics())
+    compiles_before = compiles()
     sync(llm.device)
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params)
@@ -51,8 +52,11 @@ def run_load(llm: LLM, prompts: list[str], params: SamplingParams) -> dict:
     tokens = sum(len(o.token_ids) for o in outs)
     steps = after["verify_steps"] - before["verify_steps"]
     drafted = after["draft_tokens"] - before["draft_tokens"]
+    delta = {key: after.get(key, 0) - before.get(key, 0) for key in ("steps", "eager_forwards",
+                                                                    "draft_forwards", "draft_eager_forwards")}
     return {"tok_s": tokens / seconds, "seconds": seconds, "tokens": tokens,
-            "tokens_per_verify_step": tokens / max(1, steps),
+            "tokens_per_verify_step": tokens / max(1, steps), **delta,
+            "compiles": compiles() - compiles_before,
             "acceptance": (after["accepted_tokens"] - before["accepted_tokens"]) / max(1, drafted),
             "draft_tokens": drafted, "outputs": [o.token_ids for o in outs]}
 

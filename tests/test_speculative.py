@@ -307,6 +307,23 @@ def test_frozen_shapes_keep_outputs_with_a_drafter(qwen3_dir, drafter_dir, plain
         assert used[id(static)] and set(used[id(static)]) <= static.shapes
 
 
+def test_verify_steps_with_fewer_drafts_round_up_to_a_captured_shape(qwen3_dir, plain):
+    """An n-gram lookup finds drafts of any length up to k; after start-up capture a step whose longest draft
+    is shorter than k runs as the next captured q (its extra rows padding) rather than eagerly, with the
+    plain engine's outputs."""
+    llm = spec_llm(qwen3_dir, SpecConfig("ngram", num_draft_tokens=4, adaptive=False), static_shapes=True,
+                   max_graph_batch=8, max_graph_context=256)
+    static = llm.engine.runner.static
+    static.precapture([1, 5])
+    fed, used = [], []
+    run, forward = static.run, static._forward
+    static.run = lambda seqs: fed.append(max(s.num_new for s in seqs)) or run(seqs)
+    static._forward = lambda *shape: used.append(shape) or forward(*shape)
+    assert [o.token_ids for o in llm.generate(mixed_prompts(), GREEDY)] == plain
+    assert {q for q in fed if 1 < q < 5}  # some steps fed 2..4 tokens per sequence ...
+    assert {q for _, q, _ in used} == {1, 5}  # ... and ran as the q = 5 shape
+
+
 def test_goodput_guard_turns_off_speculation_that_measurably_loses():
 
     ctl = KController(4, StepCostTable({1: 1.0, 4096: 1.0}), lambda b: 0.0)  # the model says: always draft

@@ -269,6 +269,7 @@ class Engine:
             "prefix_cache_query_tokens": self.blocks.prefix_queries,
             "speculator": self.speculator.name if self.speculator else None,
             "draft_k": self.controller.last_k if self.controller else 0,
+            "eager_forwards": self.runner.eager_forwards,
             **(self.speculator.metrics() if self.speculator else {}),
         }
 

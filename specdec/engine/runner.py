@@ -18,6 +18,7 @@ class ModelRunner:
         self.device = device
         self.block_size = kv_cache.block_size
         self.static = static  # StaticRunner for uniform decode/verify steps (CUDA graphs on GPU), or None
+        self.eager_forwards = 0  # forwards that did not take the fixed-shape path (prefills, other shapes)
 
     @torch.inference_mode()
     def forward(self, seqs: list[ScheduledSeq]) -> list[torch.Tensor]:
@@ -28,6 +29,7 @@ class ModelRunner:
         """
         if self.static is not None and self.static.can_run(seqs):
             return self.static.run(seqs)
+        self.eager_forwards += 1
         ids, positions, slots, starts, ctx, logits_rows, counts = [], [], [], [0], [], [], []
         for seq in seqs:
             req = seq.request

@@ -2,7 +2,8 @@
 
 A step where every sequence feeds at most 33 tokens and reaches its end (decoding: its newest token plus
 up to k drafts; a drafter: the few tokens it is behind plus one) is padded to
-a (batch, q, context) bucket: q = the most tokens any sequence feeds, batch up the ladder 1, 2, 4, ...,
+a (batch, q, context) bucket: q = the most tokens any sequence feeds (after start-up capture, rounded up
+to a captured q), batch up the ladder 1, 2, 4, ...,
 context up to the next power of two.  Padding rows (and the padding tokens of a sequence with fewer
 drafts) write to the cache's scratch block; their logits are dropped.  On a GPU each
 (batch, q, context) shape is captured once (lazily, sharing one memory pool) and replayed; on a CPU
@@ -19,6 +20,8 @@ graph replays far fewer launches.  Each shape compiles separately, so this suits
 """
 
 from __future__ import annotations
+
+import bisect
 
 import numpy as np
 import torch
@@ -76,15 +79,27 @@ class StaticRunner:
         self.replays = 0
         self.shapes: set[tuple[int, int, int]] = set()  # (batch, q, context) run by precapture()
         self.frozen = False  # after precapture(): other shapes run eagerly instead of capturing mid-serve
+        self.q_ladder: list[int] = []  # the q values precapture() captured, ascending
         self._padded = self._padded_forward
         if compile_backend:
             self._padded = torch.compile(self._padded_forward, backend=compile_backend, dynamic=False)
 
     def shape_of(self, seqs: list[ScheduledSeq]) -> tuple[int, int, int]:
         """The (batch, q, context) bucket a step of these sequences is padded to."""
-        q = max(s.num_new for s in seqs)
+        q = self._q_bucket(max(s.num_new for s in seqs))
         context = _next_power_of_two(max(max(s.request.num_computed + q for s in seqs), 256))
         return _next_power_of_two(len(seqs)), q, context
+
+    def _q_bucket(self, q: int) -> int:
+        """After precapture, the smallest captured q that holds q tokens per sequence (q itself if none does).
+
+        Example: verify shapes captured for q in {1, 2, 3, 5, 9} (k in {0, 1, 2, 4, 8}); an n-gram step whose
+        longest draft is 5 tokens feeds q = 6 and runs as the q = 9 graph, its rows 6..8 padding, instead
+        of an eager forward (tens of ms at 8B).  The same happens when k is cut near a reply's max_tokens."""
+        if not self.frozen:
+            return q
+        i = bisect.bisect_left(self.q_ladder, q)
+        return self.q_ladder[i] if i < len(self.q_ladder) else q
 
     def can_run(self, seqs: list[ScheduledSeq]) -> bool:
         shape = batch, q, context = self.shape_of(seqs)  # max_batch and max_context are powers of two
@@ -118,6 +133,7 @@ class StaticRunner:
             self._fill([], q, batch, context)  # padding rows only: scratch slots, no real sequence is touched
             self._forward(batch, q, context)
         self.shapes.update(shapes)
+        self.q_ladder = sorted({q for _, q, _ in self.shapes})
         self.frozen = True
         return len(shapes)
 

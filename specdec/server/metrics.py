@@ -21,6 +21,8 @@ ENGINE_COUNTERS = {
     "preemptions": ("preemptions", "Requests preempted for lack of KV cache blocks"),
     "prefix_cache_hit_tokens": ("prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache"),
     "prefix_cache_query_tokens": ("prefix_cache_query_tokens", "Prompt tokens looked up in the prefix cache"),
+    "eager_forwards": ("eager_forwards", "Target forwards outside the fixed-shape (CUDA graph) path"),
+    "draft_eager_forwards": ("draft_eager_forwards", "Drafter forwards outside the fixed-shape path"),
 }
 ENGINE_GAUGES = {
     "kv_cache_usage": ("kv_cache_usage", "Fraction of KV cache blocks in use"),

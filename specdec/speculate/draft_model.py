@@ -114,7 +114,7 @@ class DraftModelSpeculator(Speculator):
             self.blocks.release(shadow.seq.block_ids)
 
     def metrics(self) -> dict:
-        return dict(self.stats)
+        return {**self.stats, "draft_eager_forwards": self.runner.eager_forwards}
 
     # ------------------------------------------------------------------
 
