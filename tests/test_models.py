@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specdec import LLM
+from specdec import LLM, SamplingParams
 from tests.checkpoints import save_tiny
 
 CASES = {  # name -> save_tiny kwargs
@@ -100,3 +100,35 @@ def test_fused_kernels_fall_back_to_plain_ones_when_compiling_fails(monkeypatch,
         assert fused.enable_fused_kernels() is False
     assert fused.Kernels.rms_norm is before and not fused.Kernels.fused
     assert "fused kernels unavailable" in caplog.text  # (here: no CUDA tensors or no Triton, whichever first)
+
+
+def test_any_shape_attention_folds_query_heads_exactly(qwen3_dir, monkeypatch):
+    """The GPU's attention for steps of arbitrary shape (memory-efficient kernel, query heads folded into rows
+    instead of cuDNN's plan per shape) gives SDPA's grouped-query result; forced on here, the engine's
+    prefills and mixed steps still match transformers' logits and the plain greedy outputs."""
+    import torch.nn.functional as F
+
+    from specdec.models import attention
+    from specdec.models.attention import AttentionBatch
+
+    torch.manual_seed(0)
+    batch = AttentionBatch(torch.tensor([0, 5, 7, 12]), torch.tensor([20, 9, 32]), torch.arange(12).reshape(3, 4),
+                           torch.zeros(12, dtype=torch.long), 5, 32).prepare(8)
+    q, k, v = torch.randn(3, 8, 5, 16), torch.randn(3, 2, 32, 16), torch.randn(3, 2, 32, 16)
+    expected = F.scaled_dot_product_attention(q, k, v, attn_mask=batch.bias(q.dtype), scale=0.3, enable_gqa=True)
+    assert torch.allclose(attention._any_shape_attention(q, k, v, batch, 0.3), expected, atol=1e-5)
+
+    greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    llm = LLM(qwen3_dir, device="cpu", kv_cache_tokens=1024, block_size=4)
+    prompts = [list(range(10, 10 + 3 * n)) for n in (2, 5, 4)]
+    plain = [o.token_ids for o in llm.generate(prompts, greedy)]
+    ids = prompts[1]
+    before = llm.engine.all_logits(ids)
+    used = []
+    any_shape = attention._any_shape_attention
+    monkeypatch.setattr(attention, "_plan_per_shape", lambda q: True)
+    monkeypatch.setattr(attention, "_any_shape_attention", lambda *a: used.append(1) or any_shape(*a))
+    assert torch.allclose(llm.engine.all_logits(ids), before, atol=1e-4)
+    assert torch.allclose(llm.engine.all_logits(ids), hf_logits(qwen3_dir, ids), atol=1e-4)
+    assert [o.token_ids for o in llm.generate(prompts, greedy)] == plain
+    assert used

@@ -75,5 +75,5 @@ class ModelRunner:
             block_tables=self._long(tables),
             slot_mapping=self._long(slots),
             max_query_len=max(s.num_new for s in seqs),
-            max_context_len=max(ctx),
+            max_context_len=-(-max(ctx) // 16) * 16,  # keys padded (masked) to 16: aligned for fused kernels
         ).prepare(self.block_size)

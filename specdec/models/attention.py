@@ -21,6 +21,7 @@ import dataclasses
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 
 @dataclasses.dataclass
@@ -69,6 +70,17 @@ class AttentionBatch:
                 ~self.mask, float("-inf"))
         return self._bias[dtype]
 
+    def folded_bias(self, dtype: torch.dtype, groups: int) -> torch.Tensor:
+        """The bias for queries with `groups` heads folded into their rows (`_any_shape_attention`):
+        [B, 1, groups * max_q, max_ctx], each query row's mask repeated once per folded head."""
+        if groups == 1:
+            return self.bias(dtype)
+        key = (dtype, groups)
+        if key not in self._bias:
+            b, _, t, c = self.mask.shape
+            self._bias[key] = self.bias(dtype).expand(b, groups, t, c).reshape(b, 1, groups * t, c)
+        return self._bias[key]
+
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
@@ -88,10 +100,38 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         qp = q[batch.query_index].transpose(1, 2)  # [B, H, max_q, D]
     kp = k_cache[batch.key_slots].transpose(1, 2).to(q.dtype)  # [B, Hkv, max_ctx, D]
     vp = v_cache[batch.key_slots].transpose(1, 2).to(q.dtype)
-    out = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=batch.bias(q.dtype), scale=scale,
-                                         enable_gqa=kp.shape[1] != num_heads)  # [B, H, max_q, D]
+    if not batch.uniform and _plan_per_shape(q):
+        out = _any_shape_attention(qp, kp, vp, batch, scale)
+    else:
+        out = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=batch.bias(q.dtype), scale=scale,
+                                             enable_gqa=kp.shape[1] != num_heads)  # [B, H, max_q, D]
     out = out.transpose(1, 2)  # [B, max_q, H, D]
     if batch.uniform:  # rows are already in flat order; boolean indexing would sync (and break graphs)
         return out.reshape(-1, num_heads, head_dim)
     return out[batch.query_valid].reshape(-1, num_heads, head_dim)
 
+
+def _plan_per_shape(q: torch.Tensor) -> bool:
+    """Whether SDPA on this device would pick a kernel that builds a plan per shape (cuDNN on a GPU)."""
+    return q.is_cuda
+
+
+def _any_shape_attention(qp: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor, batch: AttentionBatch,
+                         scale: float) -> torch.Tensor:
+    """Attention for a step of arbitrary shape on a GPU (prefills, a drafter's catch-ups, mixed steps), by the
+    memory-efficient kernel: qp [B, H, max_q, D], kp/vp [B, Hkv, max_ctx, D] -> [B, H, max_q, D].
+
+    Not cuDNN (SDPA's first choice on an H100/H200), which builds an execution plan for every new shape, and
+    such steps rarely repeat a shape: a plan per prompt length stalls serving mid-request.  The fixed-shape
+    (CUDA graph) steps keep cuDNN, their plans built once at start-up.  The memory-efficient kernel wants equal
+    head counts, so each KV head's G = H / Hkv query heads are folded into its query rows instead of
+    repeating keys and values G times.  Example: H 32, Hkv 8, max_q 5 -> queries [B, 8, 4 * 5, D], row
+    g * 5 + t of KV head j being query head j * 4 + g at position t (the heads SDPA's enable_gqa pairs).
+    """
+    b, h, t, d = qp.shape
+    groups = h // kp.shape[1]
+    folded = qp.reshape(b, h // groups, groups * t, d)
+    with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):  # math: where efficient cannot run
+        out = F.scaled_dot_product_attention(folded, kp, vp, attn_mask=batch.folded_bias(qp.dtype, groups),
+                                             scale=scale)
+    return out.reshape(b, h, t, d)
