@@ -367,3 +367,42 @@ def test_per_request_speculation_metrics(qwen3_dir):
     assert out.accepted_per_position[0] >= out.accepted_per_position[-1] > 0
     assert sum(out.accepted_per_position) == out.num_accepted
     assert out.tokens_per_step == len(out.token_ids) / out.num_steps > 2.0
+
+
+def _ngram_reference(tokens, k, max_n, min_n, stop_ids):
+    """The lookup's definition, by brute force: for n from the longest down, the last window equal to the
+    n-token suffix that leaves a continuation; its next k tokens, cut after a stop id."""
+    length = len(tokens)
+    for n in range(min(max_n, length - 1), min_n - 1, -1):
+        suffix = tokens[length - n:]
+        hits = [s for s in range(length - n) if tokens[s:s + n] == suffix]
+        if hits:
+            draft = tokens[hits[-1] + n:hits[-1] + n + k]
+            cut = next((i + 1 for i, t in enumerate(draft) if t in stop_ids), len(draft))
+            return draft[:cut]
+    return []
+
+
+def test_ngram_draft_matches_its_brute_force_definition():
+    rng = np.random.default_rng(0)
+    for trial in range(3000):
+        tokens = rng.integers(0, int(rng.integers(2, 7)), int(rng.integers(1, 40))).tolist()
+        k, max_n, min_n = int(rng.integers(1, 9)), int(rng.integers(1, 6)), int(rng.integers(1, 3))
+        stop = {int(rng.integers(0, 6))} if trial % 3 == 0 else set()
+        assert ngram_draft(tokens, k, max_n, min_n, stop) == _ngram_reference(tokens, k, max_n, min_n, stop), \
+            (tokens, k, max_n, min_n, stop)
+
+
+def test_ngram_speculator_keeps_each_requests_tokens_as_it_grows():
+    from specdec.engine.request import Request
+    from specdec.speculate.ngram import NgramSpeculator
+
+    spec = NgramSpeculator()
+    req = Request([1, 2, 3, 1], SamplingParams(max_tokens=50), torch.device("cpu"))
+    rng = np.random.default_rng(1)
+    for _ in range(300):  # past the first buffer's 256 tokens
+        spec.propose([req], [4])
+        assert req.draft_token_ids == ngram_draft(req.all_token_ids, 4)
+        req.output_token_ids.append(int(rng.integers(0, 5)))
+    spec.release(req)
+    assert not spec.tokens.arrays
