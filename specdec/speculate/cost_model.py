@@ -16,6 +16,7 @@ then so that the verdict can change.
 from __future__ import annotations
 
 import bisect
+import math
 import time
 from collections.abc import Callable
 
@@ -131,9 +132,16 @@ class GoodputGuard:
     # skipped, which the rates leave out, so a verdict that flipped on noise would pay it again and again.
     KEEP_MARGIN = 0.97
     SWITCH_ON_MARGIN = 1.03
+    # Probing the losing arm costs time; the gap to the next probe is stretched (up to MAX_AFFORDED_GAP steps)
+    # until the probes lose at most this share of the bucket's time.  Example: speculating steps 9x as long as
+    # plain ones at 0.32x their goodput lose 2 x 9 x 0.68 = 12 plain steps' time per two-step probe, so the
+    # probes come at least 612 steps apart instead of every 16..128 steps (which cost 10-17 %).
+    PROBE_BUDGET = 0.02
+    MAX_AFFORDED_GAP = 4096
 
     def __init__(self):
         self.rate: dict[tuple[int, bool], float] = {}  # (bucket, speculated) -> tokens/s
+        self.step_s: dict[tuple[int, bool], float] = {}  # (bucket, speculated) -> seconds per step
         self.steps: dict[int, int] = {}
         self.gap: dict[int, int] = {}  # steps between probes
         self.next_probe: dict[int, int] = {}  # step at which the bucket's next probe starts
@@ -158,7 +166,7 @@ class GoodputGuard:
         prefer_spec = self.prefers_speculation(b)
         if prefer_spec is None:  # unmeasured: alternate until both arms have a reading
             return self.rate.get((b, True)) is None
-        start = self.next_probe.setdefault(b, step + self.PROBE_EVERY)
+        start = self.next_probe.setdefault(b, step + self.affordable_gap(b, self.PROBE_EVERY))
         if step == start:
             self.verdict[b] = prefer_spec
         if start <= step < start + self.PROBE_STEPS:
@@ -166,8 +174,18 @@ class GoodputGuard:
         if step >= start + self.PROBE_STEPS:  # the probe is over: did it change the verdict?
             gap = self.gap.get(b, self.PROBE_EVERY)
             gap = min(2 * gap, self.MAX_PROBE_EVERY) if self.verdict.get(b) == prefer_spec else self.PROBE_EVERY
-            self.gap[b], self.next_probe[b] = gap, step + gap
+            self.gap[b], self.next_probe[b] = gap, step + self.affordable_gap(b, gap)
         return prefer_spec
+
+    def affordable_gap(self, b: int, gap: int) -> int:
+        """gap, or more steps if a probe of the losing arm every `gap` steps would cost over PROBE_BUDGET."""
+        prefer_spec = self.preferred.get(b, False)
+        rates = self.rate.get((b, prefer_spec)), self.rate.get((b, not prefer_spec))
+        seconds = self.step_s.get((b, prefer_spec)), self.step_s.get((b, not prefer_spec))
+        if None in rates or None in seconds or rates[1] >= rates[0]:
+            return gap
+        lost = self.PROBE_STEPS * seconds[1] / seconds[0] * (1 - rates[1] / rates[0])  # preferred steps' time
+        return min(max(gap, math.ceil(lost / self.PROBE_BUDGET)), self.MAX_AFFORDED_GAP)
 
     def observe(self, batch: int, speculated: bool, tokens: int, seconds: float) -> None:
         if batch == 0 or seconds <= 0:
@@ -178,6 +196,8 @@ class GoodputGuard:
         old = self.rate.get(key)
         weight = self.PROBE_EMA if self.prefers_speculation(b) not in (None, speculated) else self.EMA
         self.rate[key] = rate if old is None else (1 - weight) * old + weight * rate
+        old = self.step_s.get(key)
+        self.step_s[key] = seconds if old is None else (1 - weight) * old + weight * seconds
 
 
 class KController:
