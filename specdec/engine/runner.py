@@ -76,4 +76,5 @@ class ModelRunner:
             slot_mapping=self._long(slots),
             max_query_len=max(s.num_new for s in seqs),
             max_context_len=-(-max(ctx) // 16) * 16,  # keys padded (masked) to 16: aligned for fused kernels
+            host_lens=([b - a for a, b in zip(starts, starts[1:])], list(ctx)),
         ).prepare(self.block_size)

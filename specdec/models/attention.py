@@ -33,6 +33,11 @@ class AttentionBatch:
     max_query_len: int
     max_context_len: int
     uniform: bool = False  # every sequence has exactly max_query_len queries (no host sync to unpad)
+    # Per sequence on the host (query count, context length): a step of mixed query counts is then split into
+    # groups (split_by_query_length) instead of padding every sequence to the longest.
+    host_lens: tuple[list[int], list[int]] | None = None
+    seq_starts: torch.Tensor | None = None  # [B] flat row of each sequence's first query (default: query_start)
+    groups: list["QueryGroup"] = dataclasses.field(default_factory=list)
     # Derived index tensors for the gathered-SDPA path (built once per step, shared by all layers).
     query_index: torch.Tensor | None = None  # [B, max_q] flat row of each padded query (0 for padding)
     query_valid: torch.Tensor | None = None  # [B, max_q] bool
@@ -45,12 +50,17 @@ class AttentionBatch:
         return int(self.context_lens.shape[0])
 
     def prepare(self, block_size: int) -> "AttentionBatch":
-        """Build the padded gather indices and the causal mask; returns self."""
+        """Build the padded gather indices and the causal mask (or, given host_lens, the query-length groups,
+        each prepared alike); returns self."""
+        if self.host_lens is not None and not self.uniform:
+            self.groups = split_by_query_length(self, block_size)
+            return self
         device = self.context_lens.device
         query_lens = self.query_start[1:] - self.query_start[:-1]  # [B]
+        starts = self.seq_starts if self.seq_starts is not None else self.query_start[:-1]
         q_offsets = torch.arange(self.max_query_len, device=device)  # [max_q]
         self.query_valid = q_offsets[None, :] < query_lens[:, None]
-        self.query_index = torch.where(self.query_valid, self.query_start[:-1, None] + q_offsets[None, :], 0)
+        self.query_index = torch.where(self.query_valid, starts[:, None] + q_offsets[None, :], 0)
         k_pos = torch.arange(self.max_context_len, device=device)  # [max_ctx]
         blocks = self.block_tables.gather(1, (k_pos // block_size).expand(self.num_seqs, -1).clamp(
             max=self.block_tables.shape[1] - 1))
@@ -82,6 +92,53 @@ class AttentionBatch:
         return self._bias[key]
 
 
+@dataclasses.dataclass
+class QueryGroup:
+    """The sequences of a step whose query counts round up to one power of two, attended as one padded batch."""
+
+    batch: AttentionBatch  # prepared; its query_index points into the step's flat rows
+    rows: torch.Tensor  # [n] the step's flat rows of the group's real queries ...
+    padded_rows: torch.Tensor  # [n] ... and where each sits among the group's [b * max_q] padded rows
+
+
+def split_by_query_length(batch: AttentionBatch, block_size: int) -> list[QueryGroup]:
+    """Group a step's sequences by their query count rounded up to a power of two.
+
+    Padding every sequence of a mixed step to its longest query count made the padded queries, the mask and
+    the bias [B, max_q, max_ctx]: 52 decoding sequences beside a 500-token prefill chunk padded to 26,000
+    query rows.  Example: query counts (1, 1, 500, 5, 1) -> groups {0, 1, 4} (q 1), {2} (q 500), {3} (q 5);
+    each group's keys reach only its own longest context."""
+    query_lens, context_lens = batch.host_lens
+    starts = [0]
+    for n in query_lens:
+        starts.append(starts[-1] + n)
+    buckets: dict[int, list[int]] = {}
+    for i, n in enumerate(query_lens):
+        buckets.setdefault(max(0, n - 1).bit_length(), []).append(i)
+    device = batch.context_lens.device
+    groups = []
+    for members in buckets.values():
+        lens = [query_lens[i] for i in members]
+        q = max(lens)
+        index = torch.tensor(members, device=device)
+        compact = torch.tensor([0] + list(_running_sum(lens)), device=device)
+        sub = AttentionBatch(compact, batch.context_lens[index], batch.block_tables[index], batch.slot_mapping, q,
+                             -(-max(context_lens[i] for i in members) // 16) * 16,
+                             seq_starts=torch.tensor([starts[i] for i in members], device=device))
+        rows = [starts[i] + j for i in members for j in range(query_lens[i])]
+        padded = [g * q + j for g, n in enumerate(lens) for j in range(n)]
+        groups.append(QueryGroup(sub.prepare(block_size), torch.tensor(rows, device=device),
+                                 torch.tensor(padded, device=device)))
+    return groups
+
+
+def _running_sum(values: list[int]):
+    total = 0
+    for v in values:
+        total += v
+        yield total
+
+
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     """k_cache/v_cache [num_slots, Hkv, D]; k, v [T, Hkv, D]; writes row t to slot slot_mapping[t]."""
@@ -93,6 +150,21 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: AttentionBatch,
                     scale: float) -> torch.Tensor:
     """q [T, H, D] -> out [T, H, D], attending over each sequence's cached keys (gather + SDPA)."""
+    if batch.groups:  # a step of mixed query counts: one padded attention per query-length group
+        out = torch.empty_like(q)
+        for group in batch.groups:
+            padded = _padded_attention(q, k_cache, v_cache, group.batch, scale)  # [b * max_q, H, D]
+            out[group.rows] = padded[group.padded_rows]
+        return out
+    out = _padded_attention(q, k_cache, v_cache, batch, scale)
+    if batch.uniform:  # rows are already in flat order; boolean indexing would sync (and break graphs)
+        return out
+    return out[batch.query_valid.flatten()]
+
+
+def _padded_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: AttentionBatch,
+                      scale: float) -> torch.Tensor:
+    """q [T, H, D] -> [B * max_q, H, D]: every sequence's queries padded to max_q rows."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     if batch.uniform:  # flat rows are already [B, max_q] in order: a view, no gather
         qp = q.view(batch.num_seqs, batch.max_query_len, num_heads, head_dim).transpose(1, 2)
@@ -105,10 +177,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     else:
         out = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=batch.bias(q.dtype), scale=scale,
                                              enable_gqa=kp.shape[1] != num_heads)  # [B, H, max_q, D]
-    out = out.transpose(1, 2)  # [B, max_q, H, D]
-    if batch.uniform:  # rows are already in flat order; boolean indexing would sync (and break graphs)
-        return out.reshape(-1, num_heads, head_dim)
-    return out[batch.query_valid].reshape(-1, num_heads, head_dim)
+    return out.transpose(1, 2).reshape(-1, num_heads, head_dim)  # [B * max_q, H, D]
 
 
 def _plan_per_shape(q: torch.Tensor) -> bool:
