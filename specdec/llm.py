@@ -108,6 +108,10 @@ class LLM:
             self.engine.set_speculator(spec, controller)
         if self.engine.config.precapture:
             self.engine.precapture_graphs()
+        if speculator is not None and speculator.adaptive:  # costs of the steps as served: after the capture
+            from specdec.speculate.build import calibrate
+
+            calibrate(self.engine.controller, self.engine, self.engine.speculator)
 
     @property
     def is_main_rank(self) -> bool:

@@ -335,6 +335,29 @@ def test_verify_steps_with_fewer_drafts_round_up_to_a_captured_shape(qwen3_dir, 
     assert {q for _, q, _ in used} == {1, 5}  # ... and ran as the q = 5 shape
 
 
+def test_step_costs_are_measured_on_the_path_served_steps_take(qwen3_dir, drafter_dir):
+    """After start-up (and its CUDA-graph capture on a GPU) the controller's cost tables come from decode-shaped
+    steps through the fixed-shape runner up to its batch limit, larger ones eagerly, for target and drafter."""
+    from specdec.speculate.build import calibrate
+
+    llm = spec_llm(qwen3_dir, SpecConfig("draft", model=str(drafter_dir), num_draft_tokens=4), static_shapes=True,
+                   max_graph_batch=8, max_graph_context=256)
+    controller = llm.engine.controller
+    assert controller.adaptive and controller.target_cost is not None
+    assert not spec_llm(qwen3_dir, SpecConfig("ngram", num_draft_tokens=4, adaptive=False)).engine.controller.adaptive
+    batches = {"target": [], "drafter": []}
+    runners = {"target": llm.engine.runner, "drafter": llm.engine.speculator.runner}
+    for name, runner in runners.items():
+        run = runner.static.run
+        runner.static.run = lambda seqs, run=run, name=name: batches[name].append(len(seqs)) or run(seqs)
+    eager = {name: runner.eager_forwards for name, runner in runners.items()}
+    calibrate(controller, llm.engine, llm.engine.speculator)
+    for name, runner in runners.items():
+        assert sorted(set(batches[name])) == [1, 2, 4, 8]  # n sequences of one token, n up to the graph batch
+    assert llm.engine.runner.eager_forwards > eager["target"]  # 16 tokens and more: eagerly
+    assert [o.token_ids for o in llm.generate(mixed_prompts(), GREEDY)]  # the engine still serves
+
+
 def test_goodput_guard_turns_off_speculation_that_measurably_loses():
 
     ctl = KController(4, StepCostTable({1: 1.0, 4096: 1.0}), lambda b: 0.0)  # the model says: always draft

@@ -14,7 +14,6 @@ from specdec.engine.scheduler import ScheduledSeq
 from specdec.engine.request import Request
 from specdec.errors import ConfigError
 from specdec.models.loader import load_model
-from specdec.models.transformer import CausalLM
 from specdec.sampling import SamplingParams
 from specdec.speculate.base import Speculator
 from specdec.speculate.config import SpecConfig
@@ -35,14 +34,21 @@ def build_speculator(config: SpecConfig, llm) -> tuple[Speculator, KController]:
         from specdec.speculate.remote import RemoteSpeculator
 
         spec = RemoteSpeculator(config.url, timeout_s=config.timeout_s, vocab_size=llm.model.config.vocab_size)
-    target_cost = draft_cost = None
-    if config.adaptive:
-        target_cost = measure_target_cost(engine.model, engine.blocks, engine.kv_cache, engine.device,
-                                          min(engine.config.max_num_batched_tokens, CALIBRATION_MAX_TOKENS))
-        if spec.has_draft_model:
-            draft_cost = measure_target_cost(spec.model, spec.blocks, spec.kv, spec.device,
-                                             min(engine.config.max_num_seqs, CALIBRATION_MAX_TOKENS))
-    return spec, KController(config.num_draft_tokens, target_cost, draft_cost, config.adaptive)
+    # adaptive k needs step costs: measured by calibrate() once the engine's CUDA graphs are captured
+    return spec, KController(config.num_draft_tokens, None, None, adaptive=False)
+
+
+def calibrate(controller: KController, engine, spec: Speculator) -> None:
+    """Measure the target's (and a drafter's) step cost through the runners served steps take (CUDA graphs
+    after start-up capture: eager forwards cost several times more at small batches, which made drafting look
+    far cheaper or dearer than it is) and let the controller choose k from them."""
+    target = measure_step_cost(engine.runner, engine.blocks, engine.device,
+                               min(engine.config.max_num_batched_tokens, CALIBRATION_MAX_TOKENS))
+    draft = None
+    if spec.has_draft_model:
+        draft = measure_step_cost(spec.runner, spec.blocks, spec.device,
+                                  min(engine.config.max_num_seqs, CALIBRATION_MAX_TOKENS))
+    controller.calibrate(target, draft)
 
 
 def _draft_speculator(config: SpecConfig, llm):
@@ -75,7 +81,8 @@ def _draft_speculator(config: SpecConfig, llm):
             tokens = min_across_ranks(tokens)
     static = llm.engine.runner.static is not None
     return DraftModelSpeculator(drafter, llm.model.config.vocab_size, tokens, llm.engine.config.block_size,
-                                static_shapes=static, max_batch=llm.engine.config.max_num_seqs,
+                                static_shapes=static, max_batch=min(llm.engine.config.max_num_seqs,
+                                                                    llm.engine.config.max_graph_batch),
                                 max_context=llm.engine.graph_context_bound)
 
 
@@ -91,28 +98,33 @@ def check_same_tokenizer(target_dir: Path, draft_dir: Path) -> None:
 
 
 @torch.inference_mode()
-def measure_target_cost(model: CausalLM, blocks: BlockManager, kv_cache, device: torch.device,
-                        max_tokens: int) -> StepCostTable:
-    """Step time against tokens fed: B sequences of up to 16 query tokens each, short contexts."""
-    runner = ModelRunner(model, kv_cache, device)
-    fits = blocks.num_free // blocks.blocks_for(16) * 16  # tokens of scratch sequences the free cache holds
-    sizes = [2**i for i in range(int(math.log2(max(1, min(max_tokens, fits)))) + 1)]
+def measure_step_cost(runner: ModelRunner, blocks: BlockManager, device: torch.device,
+                      max_tokens: int) -> StepCostTable:
+    """Step time against tokens fed, on scratch sequences with short contexts: n sequences of one new token
+    (a decode step's shape, a CUDA graph after start-up capture) up to the runner's fixed-shape batch limit,
+    beyond it sequences of 16 tokens (an eager forward, as such steps are served)."""
+    graph_batch = runner.static.max_batch if runner.static is not None else 0
+
+    def layout(n: int) -> tuple[int, int]:  # (sequences, tokens each)
+        per_seq = 1 if n <= graph_batch else min(16, n)
+        return math.ceil(n / per_seq), per_seq
+
+    def fits(n: int) -> bool:
+        count, per_seq = layout(n)
+        return count * blocks.blocks_for(per_seq) <= blocks.num_free
 
     def forward(n: int) -> None:
-        per_seq = min(16, n)
-        seqs, held = [], []
-        for _ in range(math.ceil(n / per_seq)):
-            req = Request([1] * per_seq, SamplingParams(max_tokens=1), device)
-            req.block_ids = blocks.allocate(blocks.blocks_for(per_seq)) or []
-            held.append(req)
-            if not req.block_ids:
-                break
-            seqs.append(ScheduledSeq(req, per_seq, 0, samples=True))
+        count, per_seq = layout(n)
+        held = []
         try:
-            if len(seqs) == len(held):
-                runner.forward(seqs)
+            for _ in range(count):
+                req = Request([1] * per_seq, SamplingParams(max_tokens=1), device)
+                req.block_ids = blocks.allocate(blocks.blocks_for(per_seq)) or []
+                held.append(req)
+            runner.forward([ScheduledSeq(req, per_seq, 0, samples=True) for req in held])
         finally:
             for req in held:
                 blocks.release(req.block_ids)
 
-    return measure_forward_cost(forward, sizes, device)
+    sizes = [2**i for i in range(int(math.log2(max(1, max_tokens))) + 1)]
+    return measure_forward_cost(forward, [n for n in sizes if fits(n)] or [1], device)

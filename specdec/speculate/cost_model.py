@@ -215,6 +215,12 @@ class KController:
         self.last_expected = 0.0  # tokens the acceptance estimates expect from the last chosen step
         self._speculated = False  # did the previous observed step speculate?
 
+    def calibrate(self, target_cost: Callable[[int], float], draft_cost: Callable[[int], float] | None) -> None:
+        """Choose k from these measured costs from now on (until then every step drafts k_max)."""
+        self.target_cost = target_cost
+        self.draft_cost = draft_cost or (lambda batch: 0.0)
+        self.adaptive = True
+
     def candidates(self) -> list[int]:
         """The k values the controller picks from: 0, powers of two, k_max (few distinct verify shapes,
         so few CUDA graphs to capture)."""
