@@ -29,7 +29,7 @@ stage() {  # stage NAME SECONDS COMMAND...: at most SECONDS, and never past LIMI
 }
 for s in $STAGES; do
   case $s in
-    judge) HEALTH_WAIT_S=${HEALTH_WAIT_S:-150} TWIN_JUDGE_S=${TWIN_JUDGE_S:-100} PAIR_JUDGE_S=${PAIR_JUDGE_S:-40} \
+    judge) HEALTH_WAIT_S=${HEALTH_WAIT_S:-150} TWIN_JUDGE_S=${TWIN_JUDGE_S:-170} PAIR_JUDGE_S=${PAIR_JUDGE_S:-40} \
              stage judge ${JUDGE_STAGE_S:-470} bash bench/gpu_judge.sh "$OUT"; pkill -f "specdec.cli serve"; sleep 2 ;;
     twin) stage twin 90 python3 bench/twin.py --out "$OUT/twin-h200.json" --pairs ref-target:qwen3-8b --prompts 8 --steps 10 ;;
     decode) stage decode 240 python3 bench/decode.py --out "$OUT/decode-h200.json" --steps 20 ;;
