@@ -92,6 +92,31 @@ def test_full_acceptance_needs_no_separate_drafter_catch_up(qwen3_dir):
     assert forwards == [1 + k, k, k]  # the first step catches up on the prompt, then k forwards each
 
 
+@pytest.mark.parametrize("static_shapes", [False, True])
+def test_drafter_chain_feeds_each_draft_from_the_device(qwen3_dir, drafter_dir, plain, static_shapes):
+    """Forward i of the chain feeds draft i - 1 as a device tensor and the host reads the drafts once, after
+    the chain, on the fixed-shape and the eager path, also when requests near max_tokens drop out of the chain
+    early; outputs stay the plain ones."""
+    llm = spec_llm(qwen3_dir, SpecConfig("draft", model=str(drafter_dir), num_draft_tokens=6, adaptive=False),
+                   static_shapes=static_shapes, max_graph_batch=8, max_graph_context=256)
+    runner = llm.engine.speculator.runner
+    forward, tolist, events = runner.forward, torch.Tensor.tolist, []  # (batch, fed ids) per forward; "read"
+
+    def logged_forward(seqs, ids=None):
+        events.append((len(seqs), None if ids is None else len(ids)))
+        return forward(seqs, ids)
+    runner.forward = logged_forward
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (30, 9, 30, 13, 30, 30)]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch.Tensor, "tolist", lambda t: events.append("read") or tolist(t))
+        outs = llm.generate(mixed_prompts(), params)
+    assert [o.token_ids for o in outs] == [p[:len(o.token_ids)] for p, o in zip(plain, outs)]
+    chained = [i for i, e in enumerate(events) if e != "read" and e[1] is not None]
+    assert chained and all(events[i][0] == events[i][1] for i in chained)  # every sequence fed from the device
+    assert all(events[i - 1] != "read" for i in chained)  # no host read between forwards of a chain
+    assert any(events[i][0] < events[i - 1][0] for i in chained)  # a chain lost requests midway
+
+
 def test_cost_model_can_switch_speculation_off(qwen3_dir, drafter_dir, plain):
     llm = spec_llm(qwen3_dir, SpecConfig("draft", model=str(drafter_dir), num_draft_tokens=4, adaptive=False))
     compute_bound = StepCostTable({1: 1.0, 2: 2.0})  # every extra token costs as much as the first
@@ -295,7 +320,7 @@ def test_fixed_shape_verify_steps_keep_outputs(qwen3_dir, drafter_dir, plain, me
                    static_shapes=True, max_graph_batch=8)
     calls = []
     run = llm.engine.runner.static.run
-    llm.engine.runner.static.run = lambda seqs: calls.append(seqs[0].num_new) or run(seqs)
+    llm.engine.runner.static.run = lambda seqs, *fed: calls.append(seqs[0].num_new) or run(seqs, *fed)
     assert [o.token_ids for o in llm.generate(mixed_prompts(), GREEDY)] == plain
     assert any(q > 1 for q in calls)  # verify steps took the fixed-shape path
 
@@ -328,7 +353,7 @@ def test_verify_steps_with_fewer_drafts_round_up_to_a_captured_shape(qwen3_dir, 
     static.precapture([1, 5])
     fed, used = [], []
     run, forward = static.run, static._forward
-    static.run = lambda seqs: fed.append(max(s.num_new for s in seqs)) or run(seqs)
+    static.run = lambda seqs, *ids: fed.append(max(s.num_new for s in seqs)) or run(seqs, *ids)
     static._forward = lambda *shape: used.append(shape) or forward(*shape)
     assert [o.token_ids for o in llm.generate(mixed_prompts(), GREEDY)] == plain
     assert {q for q in fed if 1 < q < 5}  # some steps fed 2..4 tokens per sequence ...
@@ -349,7 +374,7 @@ def test_step_costs_are_measured_on_the_path_served_steps_take(qwen3_dir, drafte
     runners = {"target": llm.engine.runner, "drafter": llm.engine.speculator.runner}
     for name, runner in runners.items():
         run = runner.static.run
-        runner.static.run = lambda seqs, run=run, name=name: batches[name].append(len(seqs)) or run(seqs)
+        runner.static.run = lambda seqs, *ids, run=run, name=name: batches[name].append(len(seqs)) or run(seqs, *ids)
     eager = {name: runner.eager_forwards for name, runner in runners.items()}
     calibrate(controller, llm.engine, llm.engine.speculator)
     for name, runner in runners.items():

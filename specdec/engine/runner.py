@@ -21,14 +21,20 @@ class ModelRunner:
         self.eager_forwards = 0  # forwards that did not take the fixed-shape path (prefills, other shapes)
 
     @torch.inference_mode()
-    def forward(self, seqs: list[ScheduledSeq]) -> list[torch.Tensor]:
+    def forward(self, seqs: list[ScheduledSeq], fed_ids: torch.Tensor | None = None) -> list[torch.Tensor]:
         """Logits [1 + num_drafts, V] for each sequence that samples this step, else an empty tensor.
 
         For a sampling sequence the rows are the target's predictions after its last committed token
         and after each of its drafts: row j scores draft j, the last row gives the bonus token.
+
+        fed_ids [len(seqs)] (a device tensor), for steps where every sequence feeds one token: the tokens to
+        feed, in place of the request's stored ones (a drafter's chain feeds back the draft it just drew
+        without waiting for the host to read it).
         """
+        if fed_ids is not None and any(s.num_new != 1 for s in seqs):
+            raise ValueError("fed_ids needs every sequence to feed exactly one token")
         if self.static is not None and self.static.can_run(seqs):
-            return self.static.run(seqs)
+            return self.static.run(seqs, fed_ids)
         self.eager_forwards += 1
         ids, positions, slots, starts, ctx, logits_rows, counts = [], [], [], [0], [], [], []
         for seq in seqs:
@@ -45,7 +51,8 @@ class ModelRunner:
             logits_rows.extend(range(starts[-1] - n_logits, starts[-1]))
             counts.append(n_logits)
         batch = self._batch(seqs, starts, ctx, slots)
-        logits = self.model(self._long(ids), self._long(positions), batch, self.kv_cache.layers,
+        ids = self._long(ids) if fed_ids is None else fed_ids.to(device=self.device, dtype=torch.long)
+        logits = self.model(ids, self._long(positions), batch, self.kv_cache.layers,
                             self._long(logits_rows))  # [sum(counts), V]
         return list(torch.split(logits, counts))
 

@@ -110,11 +110,14 @@ class StaticRunner:
                         for s in seqs))
 
     @torch.inference_mode()
-    def run(self, seqs: list[ScheduledSeq]) -> list[torch.Tensor]:
+    def run(self, seqs: list[ScheduledSeq], fed_ids: torch.Tensor | None = None) -> list[torch.Tensor]:
         """Logits [q, V] per sequence (rows as in ModelRunner.forward); on a GPU they are views of the shared
-        buffer, valid until this runner's next step."""
+        buffer, valid until this runner's next step.  fed_ids: see ModelRunner.forward (then q is 1)."""
         batch, q, context = self.shape_of(seqs)
         self._fill(seqs, q, batch, context)
+        if fed_ids is not None:  # one token per sequence: row i is sequence i; a device copy after the upload
+            ids = _input_views(self.inputs, batch, q, -(-context // self.block_size))[0]
+            ids[:len(seqs)].copy_(fed_ids)
         logits = self._forward(batch, q, context)  # [batch * q, V]
         # the rows the sampler reads: after the last fed token and after each draft (see ModelRunner.forward);
         # a short prefill feeds several prompt tokens but samples only after the last one

@@ -7,7 +7,8 @@ tokens and yields draft 1: one token after a rejection, two after full acceptanc
 never fed, and the bonus token), up to four after a short plain stretch, so it runs as a fixed-shape
 (CUDA-graph) step; only a shadow further behind (speculation off for longer) first catches up in separate
 forwards.  Then each draft is fed to get the next: k forwards for k drafts, all requests batched
-together.
+together.  A draft is fed back as the device tensor it was drawn into (the shadow holds a placeholder for it),
+so the host queues the k forwards without waiting for any, and reads the drafts once, after the last.
 """
 
 from __future__ import annotations
@@ -78,25 +79,45 @@ class DraftModelSpeculator(Speculator):
         if not active:
             return
         self._catch_up([self._shadow(r) for r, _ in active])
+        drawn = self._chain(active)
+        for req, _ in active:  # the drafts are read back once, after the whole chain
+            shadow = self._shadow(req).seq.prompt_token_ids
+            tokens = drawn[req.request_id]
+            req.draft_token_ids = tokens
+            shadow[len(shadow) - len(tokens):] = tokens  # the placeholders the chain fed on the device
+            shadow.pop()  # the last draft was never fed: the shadow's cache ends one token earlier
+
+    def _chain(self, active: list[tuple[Request, int]]) -> dict[str, list[int]]:
+        """k forwards for k drafts, all requests batched: forward i feeds draft i - 1 straight from the device
+        (the shadow holds a placeholder for it until the end), so the host never waits between forwards.
+
+        Returns each request's drafts; sampled requests' draft_probs are set ([k, V_target])."""
         probs: dict[str, list[torch.Tensor]] = {r.request_id: [] for r, _ in active}
-        step = [(r, k) for r, k in active]
+        drawn: list[tuple[list[Request], torch.Tensor]] = []  # per forward: its requests, their tokens [B]
+        step, previous = list(active), None
         for i in range(max(k for _, k in active)):
-            step = [(r, k) for r, k in step if k > i]
+            kept = [j for j, (_, k) in enumerate(step) if k > i]  # positions in the previous forward's batch
+            step = [step[j] for j in kept]
+            if previous is not None and len(kept) < len(previous):  # a request with fewer drafts is done
+                previous = previous[torch.tensor(kept, device=previous.device)]
             seqs = [self._feed(r) for r, _ in step]
-            logits = [rows[-1:] for rows in self.runner.forward(seqs)]  # per seq [1, V_draft]
+            logits = [rows[-1:] for rows in self.runner.forward(seqs, previous)]  # per seq [1, V_draft]
             self.stats["draft_forwards"] += 1
-            tokens, qs = self._next_tokens([r for r, _ in step], torch.cat(logits))
-            for (req, _), seq, token, q in zip(step, seqs, tokens, qs):
+            previous, qs = self._next_tokens([r for r, _ in step], torch.cat(logits))
+            drawn.append(([r for r, _ in step], previous))
+            for (req, _), seq, q in zip(step, seqs, qs):
                 shadow = self._shadow(req)
                 shadow.seq.num_computed += seq.num_new
-                req.draft_token_ids.append(token)
                 probs[req.request_id].append(q)
-                shadow.seq.prompt_token_ids.append(token)  # fed at the next drafter step (if any)
+                shadow.seq.prompt_token_ids.append(0)  # placeholder for this draft, fed at the next forward
+        tokens: dict[str, list[int]] = {r.request_id: [] for r, _ in active}
+        for reqs, ids in drawn:
+            for req, token in zip(reqs, ids.tolist()):
+                tokens[req.request_id].append(token)
         for req, _ in active:
             if not req.params.greedy:
-                req.draft_probs = torch.cat(probs[req.request_id])  # [k, V_target]
-            # the last draft was never fed: the shadow's cache ends one token earlier
-            self._shadow(req).seq.prompt_token_ids.pop()
+                req.draft_probs = torch.cat(probs[req.request_id])  # [k, V]
+        return tokens
 
     def adopt(self, request_id: str, tokens: list[int], block_ids: list[int], block_hashes: list[int]) -> None:
         """Start a request's shadow on blocks that already hold the drafter's keys/values for `tokens`
@@ -164,22 +185,29 @@ class DraftModelSpeculator(Speculator):
         return ScheduledSeq(shadow, len(shadow.prompt_token_ids) - shadow.num_computed, 0, samples=True)
 
     def _next_tokens(self, requests: list[Request], logits: torch.Tensor):
-        """logits [B, V_draft] -> (B draft tokens, B distributions q [1, V_target] or None for greedy rows).
+        """logits [B, V_draft] -> (draft tokens [B] on the device, B distributions q [1, V_target] or None for
+        greedy rows).
 
         Greedy rows take the argmax; the others draw from their processed distribution (batched, each
-        seeded request from its shadow's generator); one device->host copy for the whole batch."""
-        tokens = logits.argmax(-1)  # [B]
+        seeded request from its shadow's generator); nothing is copied to the host."""
         sampled = [i for i, r in enumerate(requests) if not r.params.greedy]
         qs: list[torch.Tensor | None] = [None] * len(requests)
-        if sampled:
-            index = torch.tensor(sampled, device=logits.device)
-            q = processed_probs_rows(logits[index], [requests[i].params for i in sampled])  # [S, V_draft]
-            if q.shape[-1] < self.target_vocab:
-                q = torch.nn.functional.pad(q, (0, self.target_vocab - q.shape[-1]))
-            tokens[index] = sample(q, [self._shadow(requests[i]).generator for i in sampled])
-            for j, i in enumerate(sampled):
-                qs[i] = q[j:j + 1]
-        return tokens.tolist(), qs
+        if not sampled:
+            return logits.argmax(-1), qs  # [B]
+        # an index tensor made from a host list waits for the device: none when every row samples (the usual)
+        index = None if len(sampled) == len(requests) else torch.tensor(sampled, device=logits.device)
+        q = processed_probs_rows(logits if index is None else logits[index],
+                                 [requests[i].params for i in sampled])  # [S, V_draft]
+        if q.shape[-1] < self.target_vocab:
+            q = torch.nn.functional.pad(q, (0, self.target_vocab - q.shape[-1]))
+        drawn = sample(q, [self._shadow(requests[i]).generator for i in sampled])  # [S]
+        for j, i in enumerate(sampled):
+            qs[i] = q[j:j + 1]
+        if index is None:
+            return drawn, qs
+        tokens = logits.argmax(-1)  # [B]
+        tokens[index] = drawn
+        return tokens, qs
 
 
 def _common_prefix(a: list[int], b: list[int], limit: int) -> int:
