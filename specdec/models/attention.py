@@ -18,6 +18,7 @@ Hkv * D values per position) and SDPA maps query heads onto them (``enable_gqa``
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import torch
 import torch.nn.functional as F
@@ -109,9 +110,7 @@ def split_by_query_length(batch: AttentionBatch, block_size: int) -> list[QueryG
     query rows.  Example: query counts (1, 1, 500, 5, 1) -> groups {0, 1, 4} (q 1), {2} (q 500), {3} (q 5);
     each group's keys reach only its own longest context."""
     query_lens, context_lens = batch.host_lens
-    starts = [0]
-    for n in query_lens:
-        starts.append(starts[-1] + n)
+    starts = [0, *itertools.accumulate(query_lens)]
     buckets: dict[int, list[int]] = {}
     for i, n in enumerate(query_lens):
         buckets.setdefault(max(0, n - 1).bit_length(), []).append(i)
@@ -121,7 +120,7 @@ def split_by_query_length(batch: AttentionBatch, block_size: int) -> list[QueryG
         lens = [query_lens[i] for i in members]
         q = max(lens)
         index = torch.tensor(members, device=device)
-        compact = torch.tensor([0] + list(_running_sum(lens)), device=device)
+        compact = torch.tensor([0, *itertools.accumulate(lens)], device=device)
         sub = AttentionBatch(compact, batch.context_lens[index], batch.block_tables[index], batch.slot_mapping, q,
                              -(-max(context_lens[i] for i in members) // 16) * 16,
                              seq_starts=torch.tensor([starts[i] for i in members], device=device))
@@ -130,13 +129,6 @@ def split_by_query_length(batch: AttentionBatch, block_size: int) -> list[QueryG
         groups.append(QueryGroup(sub.prepare(block_size), torch.tensor(rows, device=device),
                                  torch.tensor(padded, device=device)))
     return groups
-
-
-def _running_sum(values: list[int]):
-    total = 0
-    for v in values:
-        total += v
-        yield total
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
