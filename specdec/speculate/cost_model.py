@@ -152,7 +152,9 @@ class GoodputGuard:
     def bucket(batch: int) -> int:
         return max(0, batch - 1).bit_length()  # 1 -> 0, 2 -> 1, 3..4 -> 2, 5..8 -> 3, ...
 
-    def prefers_speculation(self, b: int) -> bool | None:
+    def update_preference(self, b: int) -> bool | None:
+        """Which arm bucket b's rates now point to, through the hysteresis (stored in `preferred`); None until
+        both arms are measured."""
         spec, plain = self.rate.get((b, True)), self.rate.get((b, False))
         if spec is None or plain is None:
             return None
@@ -163,7 +165,7 @@ class GoodputGuard:
     def allow(self, batch: int) -> bool:
         b = self.bucket(batch)
         step = self.steps[b] = self.steps.get(b, 0) + 1
-        prefer_spec = self.prefers_speculation(b)
+        prefer_spec = self.update_preference(b)
         if prefer_spec is None:  # unmeasured: alternate until both arms have a reading
             return self.rate.get((b, True)) is None
         start = self.next_probe.setdefault(b, step + self.affordable_gap(b, self.PROBE_EVERY))
@@ -194,7 +196,7 @@ class GoodputGuard:
         key = (b, speculated)
         rate = tokens / seconds
         old = self.rate.get(key)
-        weight = self.PROBE_EMA if self.prefers_speculation(b) not in (None, speculated) else self.EMA
+        weight = self.PROBE_EMA if self.update_preference(b) not in (None, speculated) else self.EMA
         self.rate[key] = rate if old is None else (1 - weight) * old + weight * rate
         old = self.step_s.get(key)
         self.step_s[key] = seconds if old is None else (1 - weight) * old + weight * seconds
