@@ -82,6 +82,6 @@ class ModelRunner:
             block_tables=self._long(tables),
             slot_mapping=self._long(slots),
             max_query_len=max(s.num_new for s in seqs),
-            max_context_len=-(-max(ctx) // 16) * 16,  # keys padded (masked) to 16: aligned for fused kernels
+            max_context_len=max(ctx),  # each query-length group pads its own keys (split_by_query_length)
             host_lens=([b - a for a, b in zip(starts, starts[1:])], list(ctx)),
         ).prepare(self.block_size)

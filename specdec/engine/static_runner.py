@@ -116,7 +116,7 @@ class StaticRunner:
         batch, q, context = self.shape_of(seqs)
         self._fill(seqs, q, batch, context)
         if fed_ids is not None:  # one token per sequence: row i is sequence i; a device copy after the upload
-            ids = _input_views(self.inputs, batch, q, -(-context // self.block_size))[0]
+            ids = _input_views(self.inputs, batch, q, self._columns(context))[0]
             ids[:len(seqs)].copy_(fed_ids)
         logits = self._forward(batch, q, context)  # [batch * q, V]
         # the rows the sampler reads: after the last fed token and after each draft (see ModelRunner.forward);
@@ -140,11 +140,15 @@ class StaticRunner:
         self.frozen = True
         return len(shapes)
 
+    def _columns(self, context: int) -> int:
+        """Block-table columns of a step whose context bucket is `context` tokens."""
+        return -(-context // self.block_size)
+
     def _fill(self, seqs: list[ScheduledSeq], q: int, batch: int, context: int) -> None:
         """Stage the step's inputs for the (batch, q, context) bucket and copy them to the device at once."""
         if self.staged is not None:
             self.staged.synchronize()  # the previous step's copy has read the staging buffer
-        bs, cols, scratch = self.block_size, -(-context // self.block_size), self.kv_cache.scratch_block
+        bs, cols, scratch = self.block_size, self._columns(context), self.kv_cache.scratch_block
         ids, positions, slots, ctx, tables = _input_views(self.staging.numpy(), batch, q, cols)
         ids, positions, slots = ids.reshape(batch, q), positions.reshape(batch, q), slots.reshape(batch, q)
         ids[:] = 0
@@ -190,7 +194,7 @@ class StaticRunner:
         return self._padded(batch, q, context)
 
     def _padded_forward(self, batch: int, q: int, context: int) -> torch.Tensor:
-        ids, positions, slots, ctx, tables = _input_views(self.inputs, batch, q, -(-context // self.block_size))
+        ids, positions, slots, ctx, tables = _input_views(self.inputs, batch, q, self._columns(context))
         attn = AttentionBatch(
             query_start=torch.arange(0, batch * q + 1, q, device=self.device),
             context_lens=ctx,

@@ -122,7 +122,7 @@ def split_by_query_length(batch: AttentionBatch, block_size: int) -> list[QueryG
         index = torch.tensor(members, device=device)
         compact = torch.tensor([0, *itertools.accumulate(lens)], device=device)
         sub = AttentionBatch(compact, batch.context_lens[index], batch.block_tables[index], batch.slot_mapping, q,
-                             -(-max(context_lens[i] for i in members) // 16) * 16,
+                             -(-max(context_lens[i] for i in members) // 16) * 16,  # aligned for fused kernels
                              seq_starts=torch.tensor([starts[i] for i in members], device=device))
         rows = [starts[i] + j for i in members for j in range(query_lens[i])]
         padded = [g * q + j for g, n in enumerate(lens) for j in range(n)]
