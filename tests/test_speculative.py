@@ -11,7 +11,8 @@ import torch
 
 from specdec import LLM, ConfigError, SamplingParams
 from specdec.speculate import SpecConfig
-from specdec.speculate.cost_model import GoodputGuard, KController, StepCostTable, expected_tokens
+from specdec.speculate.cost_model import (GoodputGuard, KController, StepCostTable, expected_tokens,
+                                          expected_tokens_sum)
 from specdec.speculate.ngram import ngram_draft
 from tests.checkpoints import save_tiny
 from tests.stats import chi_square_p
@@ -137,6 +138,13 @@ def test_controller_picks_k_by_expected_goodput():
         ctl.acceptance.update("a", 4, 0)  # a request whose drafts are always rejected
     assert ctl.choose(["a"], 0) == 0
     assert expected_tokens(0.5, 3) == pytest.approx(1.875)
+
+
+def test_closed_form_expected_tokens_matches_the_series():
+    alphas = np.array([0.0, 0.3, 0.5, 0.999999, 1.0, 1.0 - 1e-12])
+    ks = np.array([0, 1, 2, 4, 8])
+    want = [sum(expected_tokens(float(a), int(k)) for a in alphas) for k in ks]
+    assert expected_tokens_sum(alphas, ks) == pytest.approx(want, rel=1e-6)
 
 
 def test_an_untried_drafter_is_tried_and_the_evidence_then_decides():

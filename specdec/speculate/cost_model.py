@@ -20,6 +20,7 @@ import math
 import time
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
 PRIOR_ACCEPTANCE = 0.8  # optimistic until measured: a pessimistic prior could keep k = 0 and never learn
@@ -107,6 +108,19 @@ class AcceptanceTracker:
 def expected_tokens(alpha: float, k: int) -> float:
     """1 + alpha + ... + alpha^k: tokens emitted per verify step with k drafts."""
     return sum(alpha**i for i in range(k + 1))
+
+
+def expected_tokens_sum(alphas: np.ndarray, ks: np.ndarray) -> np.ndarray:
+    """[C]: for each k in ks, the sum over requests of expected_tokens(alpha, k) (alphas [R], rates in [0, 1]).
+
+    The geometric series in closed form, (1 - a^(k+1)) / (1 - a), with a = 1 giving k + 1: the controller
+    runs this every step for every decoding request, and a Python loop over R x C x k terms cost 0.2 ms at
+    R = 64, a tenth of a host-bound decode step."""
+    a = np.minimum(alphas, 1.0)[:, None]  # [R, 1]
+    k = ks[None, :]  # [1, C]
+    near_one = a > 1.0 - 1e-9
+    series = (1.0 - a ** (k + 1)) / np.where(near_one, 1.0, 1.0 - a)
+    return np.where(near_one, k + 1.0, series).sum(axis=0)
 
 
 class GoodputGuard:
@@ -216,6 +230,7 @@ class KController:
         self.last_k = k_max
         self.last_expected = 0.0  # tokens the acceptance estimates expect from the last chosen step
         self._speculated = False  # did the previous observed step speculate?
+        self._candidates: list[int] | None = None
 
     def calibrate(self, target_cost: Callable[[int], float], draft_cost: Callable[[int], float] | None) -> None:
         """Choose k from these measured costs from now on (until then every step drafts k_max)."""
@@ -226,7 +241,9 @@ class KController:
     def candidates(self) -> list[int]:
         """The k values the controller picks from: 0, powers of two, k_max (few distinct verify shapes,
         so few CUDA graphs to capture)."""
-        return sorted({0, self.k_max} | {2**i for i in range(6) if 2**i < self.k_max})
+        if self._candidates is None:
+            self._candidates = sorted({0, self.k_max} | {2**i for i in range(6) if 2**i < self.k_max})
+        return self._candidates
 
     def observe_step(self, batch: int, k: int, tokens: int, seconds: float) -> None:
         """A finished step: `batch` decoding requests at `k` drafts emitted `tokens` in `seconds`.
@@ -246,11 +263,12 @@ class KController:
         if not self.adaptive:
             self.last_k = self.k_max
             return self.k_max
-        rates = [self.acceptance.rate(r) for r in request_ids]
+        rates = np.fromiter((self.acceptance.rate(r) for r in request_ids), float, len(request_ids))
         batch = len(request_ids)
+        ks = self.candidates()
+        expected = expected_tokens_sum(rates, np.asarray(ks))  # [C]
         best_k, best_rate, best_tokens = 0, 0.0, float(batch)
-        for k in self.candidates():
-            tokens = sum(expected_tokens(a, k) for a in rates)
+        for k, tokens in zip(ks, expected.tolist()):
             cost = self.target_cost(other_tokens + batch * (k + 1)) + k * self.draft_cost(batch)
             if tokens / cost > best_rate * 1.0001:
                 best_k, best_rate, best_tokens = k, tokens / cost, tokens
@@ -263,4 +281,8 @@ class KController:
     def drafted(self, request_ids: list[str], counts: list[int]) -> None:
         """The drafts the speculator really proposed this step (an n-gram lookup often finds none): the
         expected tokens the guard is given count those, not k for every request."""
-        self.last_expected = sum(expected_tokens(self.acceptance.rate(r), n) for r, n in zip(request_ids, counts))
+        rates = {}
+        for r, n in zip(request_ids, counts):  # group by draft count: usually one or two distinct counts
+            rates.setdefault(n, []).append(self.acceptance.rate(r))
+        self.last_expected = sum(float(expected_tokens_sum(np.asarray(a), np.asarray([n]))[0])
+                                 for n, a in rates.items())
