@@ -10,6 +10,7 @@ CPU dry run:  python3 bench/speculative.py --device cpu --concurrency 1,4 --max-
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import sys
@@ -43,11 +44,14 @@ def load_prompts(n: int) -> list[str]:
 def run_load(llm: LLM, prompts: list[str], params: SamplingParams) -> dict:
     before = dict(llm.engine.metrics())
     compiles_before = compiles()
+    llm.engine.trace = []
     sync(llm.device)
-    t0 = time.perf_counter()
-    outs = llm.generate(prompts, params)
-    sync(llm.device)
-    seconds = time.perf_counter() - t0
+    with gc_timer() as gc_seconds:
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, params)
+        sync(llm.device)
+        seconds = time.perf_counter() - t0
+    trace, llm.engine.trace = llm.engine.trace, None
     after = llm.engine.metrics()
     tokens = sum(len(o.token_ids) for o in outs)
     steps = after["verify_steps"] - before["verify_steps"]
@@ -56,9 +60,51 @@ def run_load(llm: LLM, prompts: list[str], params: SamplingParams) -> dict:
                                                                     "draft_forwards", "draft_eager_forwards")}
     return {"tok_s": tokens / seconds, "seconds": seconds, "tokens": tokens,
             "tokens_per_verify_step": tokens / max(1, steps), **delta,
-            "compiles": compiles() - compiles_before,
+            "compiles": compiles() - compiles_before, "gc_ms": 1e3 * gc_seconds[0],
+            "steps_by_kind": summarize_steps(trace), "guard": guard_state(llm),
             "acceptance": (after["accepted_tokens"] - before["accepted_tokens"]) / max(1, drafted),
             "draft_tokens": drafted, "outputs": [o.token_ids for o in outs]}
+
+
+@contextlib.contextmanager
+def gc_timer():
+    """Yields a one-item list that holds, on exit, the seconds Python's garbage collector ran inside."""
+    spent, started = [0.0], []
+
+    def callback(phase, info):
+        if phase == "start":
+            started.append(time.perf_counter())
+        elif started:
+            spent[0] += time.perf_counter() - started.pop()
+
+    gc.callbacks.append(callback)
+    try:
+        yield spent
+    finally:
+        gc.callbacks.remove(callback)
+
+
+def guard_state(llm: LLM) -> dict[str, list[float]] | None:
+    """The goodput guard's view per batch bucket and arm: [tokens/s, ms per step]."""
+    controller = llm.engine.controller
+    if controller is None or not controller.adaptive:
+        return None
+    guard = controller.guard
+    return {f"b{b}-{'spec' if spec else 'plain'}": [round(rate), round(1e3 * guard.step_s[(b, spec)], 3)]
+            for (b, spec), rate in sorted(guard.rate.items())}
+
+
+def summarize_steps(trace) -> dict[str, dict]:
+    """Steps grouped by kind ("spec"/"plain" x "graph"/"eager"): count, mean ms, tokens fed and emitted."""
+    groups: dict[str, list] = {}
+    for r in trace:
+        groups.setdefault(f"{'spec' if r.k else 'plain'}-{'eager' if r.eager else 'graph'}", []).append(r)
+    return {kind: {"steps": len(rs), "ms": round(1e3 * sum(r.seconds for r in rs) / len(rs), 3),
+                   "total_ms": round(1e3 * sum(r.seconds for r in rs), 1),
+                   "fed": round(sum(r.fed for r in rs) / len(rs), 1),
+                   "emitted": round(sum(r.emitted for r in rs) / len(rs), 1),
+                   "sequences": round(sum(r.sequences for r in rs) / len(rs), 1)}
+            for kind, rs in sorted(groups.items())}
 
 
 def transformers_peer(device: torch.device, prompts: list[str], max_tokens: int) -> dict:
@@ -84,6 +130,34 @@ def transformers_peer(device: torch.device, prompts: list[str], max_tokens: int)
     return out
 
 
+def time_loads(llms: dict[str, LLM], prompts: list[str], params: SamplingParams, rounds: int) -> dict[str, dict]:
+    """Each engine's load `rounds` times, the engines taking turns (a drift in clocks or host load then hits
+    every config alike); each config's row is its median round by tokens/s.  One 0.2-1.5 s window per config
+    moved plain decoding by 40 % between runs."""
+    timed: dict[str, list[dict]] = {name: [] for name in llms}
+    for _ in range(rounds):
+        for name, llm in llms.items():
+            timed[name].append(run_load(llm, prompts, params))
+    rows = {}
+    for name, runs in timed.items():
+        runs.sort(key=lambda r: r["tok_s"])
+        rows[name] = {**runs[len(runs) // 2], "tok_s_rounds": [round(r["tok_s"]) for r in runs]}
+    return rows
+
+
+def profile_load(llm: LLM, prompts: list[str], params: SamplingParams, top: int) -> list[str]:
+    """The `top` functions by own time over one more run of the load, under cProfile (not a timed run)."""
+    import cProfile
+    import io
+    import pstats
+
+    profiler = cProfile.Profile()
+    profiler.runcall(llm.generate, prompts, params)
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(top)
+    return [line for line in text.getvalue().splitlines() if line.strip()][-top - 1:]
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="bench/results/speculative-h200.json")
@@ -91,38 +165,48 @@ def main(argv=None) -> int:
     parser.add_argument("--concurrency", default="1,16,64")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--configs", default=",".join(CONFIGS))
+    parser.add_argument("--rounds", type=int, default=3, help="timed runs of each load per config (median kept)")
+    parser.add_argument("--peer", action=argparse.BooleanOptionalAction, default=True,
+                        help="also time transformers' plain and assisted generation at batch 1")
+    parser.add_argument("--profile", type=int, default=0, metavar="N",
+                        help="also profile each load once more and keep its N costliest functions")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0)
-    concurrency = [int(c) for c in args.concurrency.split(",")]
-    results = {"env": environment(device), "max_tokens": args.max_tokens, "loads": []}
-    plain_outputs = {}
-    for name in args.configs.split(","):
-        for c in concurrency:
-            prompts = load_prompts(max(3 * c, 12))  # longer timed windows than 2c: the 2c ones lasted 0.2-0.8 s
-            # an explicit KV size: sized from free memory, a later engine would find what earlier ones kept
-            llm = LLM("ref-target", device=device, speculator=CONFIGS[name], max_num_seqs=c, kv_cache_tokens=32768)
+    names = args.configs.split(",")
+    results = {"env": environment(device), "max_tokens": args.max_tokens, "rounds": args.rounds, "loads": []}
+    for c in (int(c) for c in args.concurrency.split(",")):
+        prompts = load_prompts(max(3 * c, 12))  # longer timed windows than 2c: the 2c ones lasted 0.2-0.8 s
+        # an explicit KV size: sized from free memory, a later engine would find what earlier ones kept
+        llms = {name: LLM("ref-target", device=device, speculator=CONFIGS[name], max_num_seqs=c,
+                          kv_cache_tokens=32768) for name in names}
+        for llm in llms.values():
             run_load(llm, prompts, params)  # warm-up: graph capture for every shape this load meets
-            row = run_load(llm, prompts, params)
+        rows = time_loads(llms, prompts, params, args.rounds)
+        plain = rows.get("plain")
+        plain_outputs = plain["outputs"] if plain else None
+        for name, row in rows.items():
             outputs = row.pop("outputs")
-            if name == "plain":
-                plain_outputs[c] = outputs
-            else:
-                same = sum(a == b for a, b in zip(outputs, plain_outputs.get(c, [])))
-                row["identical_to_plain"] = f"{same}/{len(outputs)}"
-                row["speedup"] = row["tok_s"] / next(r["tok_s"] for r in results["loads"]
-                                                     if r["config"] == "plain" and r["concurrency"] == c)
+            if plain is not None and name != "plain":
+                row["identical_to_plain"] = f"{sum(a == b for a, b in zip(outputs, plain_outputs))}/{len(outputs)}"
+                row["speedup"] = row["tok_s"] / plain["tok_s"]
+            if args.profile:
+                row["profile"] = profile_load(llms[name], prompts, params, args.profile)
             row.update(config=name, concurrency=c)
             results["loads"].append(row)
-            print(json.dumps(row), flush=True)
-            write_json(args.out, results)  # kept if a time limit ends the run early
-            del llm
-            gc.collect()
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
-    results.update(transformers_peer(device, load_prompts(9), args.max_tokens))
-    print({k: v for k, v in results.items() if k.startswith("hf_")})
-    write_json(args.out, results)
+            print(json.dumps({k: v for k, v in row.items() if k != "profile"}), flush=True)
+        for name, row in rows.items():
+            for line in row.get("profile", []):
+                print(f"{name} c{c} | {line}")
+        write_json(args.out, results)  # kept if a time limit ends the run early
+        del llms
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    if args.peer:
+        results.update(transformers_peer(device, load_prompts(9), args.max_tokens))
+        print({k: v for k, v in results.items() if k.startswith("hf_")})
+        write_json(args.out, results)
     return 0
 
 

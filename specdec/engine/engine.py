@@ -24,6 +24,11 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9  # share of free memory after the weights; less the largest step's need
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 256
+    # Admit waiting requests once this many sequence slots are free (while others decode), coalescing the
+    # eager prefill steps (engine/scheduler.py); None: max_num_seqs // 8 when decode steps replay CUDA
+    # graphs, else 1 (every step is eager anyway).  admission_max_wait bounds the steps a request is held.
+    admission_batch: int | None = None
+    admission_max_wait: int = 16
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     static_shapes: bool | None = None  # pad decode/verify steps to fixed shapes (default: on GPU only)
     cuda_graphs: bool = True  # capture fixed-shape steps as CUDA graphs (GPU only)
@@ -42,10 +47,25 @@ class EngineConfig:
                               f"got {self.kv_cache_tokens}")
         if self.max_model_len is not None and self.max_model_len <= 1:
             raise ConfigError(f"max_model_len must be at least 2 tokens, got {self.max_model_len}")
+        if self.admission_batch is not None and self.admission_batch < 1 or self.admission_max_wait < 0:
+            raise ConfigError(f"admission_batch must be at least 1 and admission_max_wait at least 0, got "
+                              f"{self.admission_batch} and {self.admission_max_wait}")
         if self.max_num_batched_tokens <= 0 or self.max_num_seqs <= 0:
             raise ConfigError("max_num_batched_tokens and max_num_seqs must be positive")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+
+
+@dataclasses.dataclass
+class StepRecord:
+    """One engine step, for diagnosis (Engine.trace): what it fed and emitted, how long it took."""
+    sequences: int  # scheduled sequences (decoding and prefilling)
+    fed: int  # tokens fed to the target
+    drafts: int  # draft tokens verified
+    emitted: int  # tokens emitted
+    k: int  # drafts per request the controller chose (0: plain)
+    eager: bool  # the target's forward ran eagerly instead of replaying a CUDA graph
+    seconds: float
 
 
 class Engine:
@@ -69,12 +89,17 @@ class Engine:
                                     config.gpu_memory_utilization, step_bytes)
         self.kv_cache = KVCache(mc, num_blocks, config.block_size, self.device, dtype)
         self.blocks = BlockManager(num_blocks, config.block_size)
-        self.scheduler = Scheduler(self.blocks, config.max_num_batched_tokens, config.max_num_seqs)
         if config.fused_kernels is not False and self.device.type == "cuda":
             from specdec.models.fused import enable_fused_kernels
 
             enable_fused_kernels()
         self.runner = ModelRunner(model, self.kv_cache, self.device, self._static_runner())
+        admission_batch = config.admission_batch
+        if admission_batch is None:
+            graphs = self.runner.static is not None and self.runner.static.capture
+            admission_batch = max(1, config.max_num_seqs // 8) if graphs else 1
+        self.scheduler = Scheduler(self.blocks, config.max_num_batched_tokens, config.max_num_seqs,
+                                   admission_batch, config.admission_max_wait)
         self.eos_token_ids = eos_token_ids
         self.speculator = speculator
         self.controller = None  # speculate.cost_model.KController: how many drafts this step
@@ -82,6 +107,8 @@ class Engine:
         self.stats = {"steps": 0, "tokens_fed": 0, "tokens_emitted": 0, "drafts": 0, "draft_tokens": 0,
                       "accepted_tokens": 0, "verify_steps": 0}
         self.accepted_per_position = [0] * 33  # [j]: drafts accepted at position j (0-based)
+        # a list to record every step in (a StepRecord each; benches set it for a window, None: not recorded)
+        self.trace: list[StepRecord] | None = None
 
     def _static_runner(self):
         from specdec.engine.static_runner import StaticRunner
@@ -150,6 +177,7 @@ class Engine:
     def step(self) -> list[Request]:
         """Run one engine step; return the requests that finished during it."""
         started = time.perf_counter()
+        eager_before = self.runner.eager_forwards
         decoding = self._propose() if self.speculator is not None else 0
         seqs = self.scheduler.schedule()
         finished = list(self.scheduler.out_of_cache)
@@ -165,9 +193,15 @@ class Engine:
                 finished.append(seq.request)
         self.stats["steps"] += 1
         self.stats["tokens_fed"] += sum(s.num_new for s in seqs)
-        if self.controller is not None and decoding:  # the tokens are on the host: the step's work is done
+        seconds = time.perf_counter() - started  # the tokens are on the host: the step's work is done
+        if self.controller is not None and decoding:
             tokens = sum(len(t) for t in emitted)
-            self.controller.observe_step(decoding, self.controller.last_k, tokens, time.perf_counter() - started)
+            self.controller.observe_step(decoding, self.controller.last_k, tokens, seconds)
+        if self.trace is not None:
+            self.trace.append(StepRecord(
+                sequences=len(seqs), fed=sum(s.num_new for s in seqs), drafts=sum(s.num_drafts for s in seqs),
+                emitted=sum(len(t) for t in emitted), k=self.controller.last_k if decoding else 0,
+                eager=self.runner.eager_forwards > eager_before, seconds=seconds))
         return finished
 
     def set_speculator(self, speculator, controller) -> None:
@@ -197,11 +231,15 @@ class Engine:
         prefill += sum(r.num_tokens for r in self.scheduler.waiting)
         k = self.controller.choose([r.request_id for r in decoding],
                                    min(prefill, self.config.max_num_batched_tokens))
+        if not k:  # a plain step: no speculator work (a host-bound step at 64 sequences is ~1.3 ms)
+            for r in decoding:
+                if r.draft_token_ids:  # drafts of a step that left this request out
+                    r.draft_token_ids, r.draft_probs = [], None
+            return len(decoding)
         ks = [max(0, min(k, r.params.max_tokens - len(r.output_token_ids) - 1,
                          self.max_model_len - r.num_tokens - 1)) for r in decoding]
         self.speculator.propose(decoding, ks)
-        if k:
-            self.controller.drafted([r.request_id for r in decoding], [len(r.draft_token_ids) for r in decoding])
+        self.controller.drafted([r.request_id for r in decoding], [len(r.draft_token_ids) for r in decoding])
         return len(decoding)
 
     def _on_finished(self, req: Request) -> None:
