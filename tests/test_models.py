@@ -102,6 +102,22 @@ def test_fused_kernels_fall_back_to_plain_ones_when_compiling_fails(monkeypatch,
     assert "fused kernels unavailable" in caplog.text  # (here: no CUDA tensors or no Triton, whichever first)
 
 
+def test_plain_kernels_swap_compiled_pieces_out_for_a_while(monkeypatch):
+    from specdec.models import fused
+
+    def compiled(*args):
+        raise AssertionError("the compiled piece ran")
+
+    monkeypatch.setattr(fused.Kernels, "fused", True)
+    for name in fused.PLAIN:
+        monkeypatch.setattr(fused.Kernels, name, staticmethod(compiled))
+    x = torch.randn(3, 8)
+    with fused.plain_kernels():
+        assert torch.equal(fused.Kernels.rms_norm(x, torch.ones(8), 1e-6), fused.rms_norm(x, torch.ones(8), 1e-6))
+        assert all(getattr(fused.Kernels, name) is fn for name, fn in fused.PLAIN.items())
+    assert all(getattr(fused.Kernels, name) is compiled for name in fused.PLAIN)
+
+
 def test_any_shape_attention_folds_query_heads_exactly(qwen3_dir, monkeypatch):
     """The GPU's attention for steps of arbitrary shape (memory-efficient kernel, query heads folded into rows
     instead of cuDNN's plan per shape) gives SDPA's grouped-query result; forced on here, the engine's

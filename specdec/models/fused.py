@@ -8,6 +8,8 @@ CPU (and the tests) keep the plain versions, whose arithmetic follows transforme
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 
@@ -42,6 +44,10 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+PLAIN = {"rms_norm": rms_norm, "add_rms_norm": add_rms_norm, "rotate": rotate, "rms_norm_rotate": rms_norm_rotate,
+         "silu_mul": silu_mul}
+
+
 class Kernels:
     """The implementations in use (plain by default)."""
 
@@ -51,6 +57,26 @@ class Kernels:
     rms_norm_rotate = staticmethod(rms_norm_rotate)
     silu_mul = staticmethod(silu_mul)
     fused = False
+
+
+@contextlib.contextmanager
+def plain_kernels():
+    """The plain pieces for the duration, even where compiled ones are in use.
+
+    Eager steps keep the compiled pieces: on an H200 (bench/eager_steps.py, 2026-12-03) the plain ones made
+    the 8B twin's eager steps slower from 134 tokens up (42 -> 44 ms; 2048-token prefill 68 -> 90 ms) and
+    saved the 8-layer reference target only 1-3 ms of a 9-15 ms step, whose cost is host dispatch."""
+    if not Kernels.fused:
+        yield
+        return
+    saved = {name: Kernels.__dict__[name] for name in PLAIN}
+    for name, fn in PLAIN.items():
+        setattr(Kernels, name, staticmethod(fn))
+    try:
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(Kernels, name, fn)
 
 
 RECOMPILE_LIMIT = 64  # variants per piece: a target and a drafter of other widths, 1 or many rows, views
@@ -71,9 +97,7 @@ def enable_fused_kernels() -> bool:
     unsupported GPU) the plain versions stay and a warning says why."""
     if Kernels.fused or not torch.cuda.is_available():
         return Kernels.fused
-    compiled = {name: compile_elementwise(fn) for name, fn in (("rms_norm", rms_norm), ("add_rms_norm", add_rms_norm),
-                                                    ("rotate", rotate), ("rms_norm_rotate", rms_norm_rotate),
-                                                    ("silu_mul", silu_mul))}
+    compiled = {name: compile_elementwise(fn) for name, fn in PLAIN.items()}
     try:
         _try_compiled(compiled)
     except Exception as exc:  # noqa: BLE001 - any compiler failure means: run the plain kernels
