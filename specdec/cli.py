@@ -22,6 +22,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--admission-batch", type=int, default=None,
+                        help="while requests decode, admit queued ones once this many slots are free (coalescing "
+                             "eager prefill steps; default: sized from measured step costs, 1 on CPU)")
     parser.add_argument("--max-model-len", type=int, default=None,
                         help="longest prompt + output in tokens (default: the model's max_position_embeddings); "
                              "also bounds the CUDA-graph shapes captured at start-up")
@@ -37,6 +40,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     return dict(device=args.device, dtype=args.dtype, kv_cache_tokens=args.kv_cache_tokens,
                 block_size=args.block_size, max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens, twin=args.twin,
+                admission_batch=getattr(args, "admission_batch", None),
                 max_model_len=getattr(args, "max_model_len", None),
                 fused_kernels=False if getattr(args, "no_fused_kernels", False) else None,
                 tensor_parallel_size=getattr(args, "tensor_parallel_size", 1))

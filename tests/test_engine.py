@@ -202,3 +202,80 @@ def test_fixed_shape_steps_share_one_logits_buffer():
     assert bigger.shape == (10, 11) and runner.logits.shape[0] == 10
     runner.logits, runner.logits_rows_wanted = None, 40  # precapture asks for its largest shape at once
     assert runner._logits_buffer(3, like).shape == (3, 11) and runner.logits.shape[0] == 40
+
+
+def test_coalesced_admissions_wait_for_free_slots_and_keep_outputs(qwen3_dir, alone):
+    """admission_batch 3: while others decode, waiting requests join once 3 slots are free (or all that wait
+    fit), or after admission_max_wait held steps; outputs are those of each prompt alone."""
+    llm = LLM(qwen3_dir, device="cpu", kv_cache_tokens=2048, block_size=4, max_num_seqs=4, admission_batch=3,
+              admission_max_wait=1000)
+    sched = llm.engine.scheduler
+    short = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    ps = prompts(6)
+    reqs = [llm.engine.add_request(p, short if i == 0 else GREEDY) for i, p in enumerate(ps)]
+    llm.engine.step()  # nothing decoding: four admitted at once
+    assert [r in sched.running for r in reqs] == [True] * 4 + [False] * 2
+    while not reqs[0].finished:
+        llm.engine.step()
+    for _ in range(5):  # one slot free, two waiting: held back
+        llm.engine.step()
+        assert len(sched.running) == 3 and sched.held_steps > 0
+    sched.admission_max_wait = sched.held_steps + 1  # the wait limit admits them
+    llm.engine.step()
+    llm.engine.step()
+    assert reqs[4] in sched.running and sched.held_steps == 0
+    llm.run_until_done(reqs)
+    assert [r.output_token_ids for r in reqs[1:]] == alone[1:]
+    for batch in (1, 2, 6):
+        llm = LLM(qwen3_dir, device="cpu", kv_cache_tokens=2048, block_size=4, max_num_seqs=3,
+                  admission_batch=batch)
+        assert [o.token_ids for o in llm.generate(prompts(6), GREEDY)] == alone
+
+
+def test_a_step_that_prefills_admits_at_once(qwen3_dir):
+    """A running request still prefilling makes the step eager anyway: waiting ones join it."""
+    llm = LLM(qwen3_dir, device="cpu", kv_cache_tokens=2048, block_size=4, max_num_seqs=4, admission_batch=4,
+              max_num_batched_tokens=8)
+    first = llm.engine.add_request(list(range(2, 14)), GREEDY)  # 12 tokens: chunks of 8 and 4
+    llm.engine.step()
+    second, *others = [llm.engine.add_request(list(range(20 + i, 30 + i)), GREEDY) for i in range(4)]
+    llm.engine.step()  # first's last 4 prompt tokens, and 4 of second's (3 free slots < 4 waiting)
+    assert first.output_token_ids and second in llm.engine.scheduler.running and second.is_prefilling
+
+
+def test_admission_batch_follows_measured_step_costs(qwen3_dir):
+    """The economic order quantity m = C sqrt(2 E / S): C slots, eager steps E graph steps dearer, S steps a
+    request; 1 until both kinds of step are measured, and on a CPU, where every step is eager."""
+    from specdec.engine.admission import AdmissionBatcher
+
+    batcher = AdmissionBatcher(16)
+    batcher.observe_step(eager=True, seconds=0.024)
+    batcher.observe_finished(67)
+    assert batcher.batch() == 1  # no graph step seen yet
+    batcher.observe_step(eager=False, seconds=0.001)
+    assert batcher.batch() == 13  # 16 * sqrt(2 * 23 / 67)
+    cheap = AdmissionBatcher(64)
+    cheap.observe_step(eager=True, seconds=0.0011)
+    cheap.observe_step(eager=False, seconds=0.001)
+    cheap.observe_finished(100)
+    assert cheap.batch() == 3  # 64 * sqrt(0.2 / 100) = 2.9
+    flooded = AdmissionBatcher(8)
+    flooded.observe_step(eager=True, seconds=1.0)
+    flooded.observe_step(eager=False, seconds=0.001)
+    flooded.observe_finished(2)
+    assert flooded.batch() == 8  # never more than the slots
+    llm = LLM(qwen3_dir, device="cpu", kv_cache_tokens=2048, block_size=4, max_num_seqs=64)
+    llm.generate(prompts(6), GREEDY)
+    assert llm.engine.scheduler.admission_batch == 1 and llm.engine.admission.graph_s is None
+    with pytest.raises(Exception, match="admission_batch"):
+        LLM(qwen3_dir, device="cpu", kv_cache_tokens=2048, block_size=4, admission_batch=0)
+
+
+def test_measured_admission_batch_keeps_outputs(qwen3_dir, alone):
+    """Fixed-shape steps (as a GPU's graph steps) and eager prefills: the engine measures both and sizes the
+    admission batch from them; outputs stay those of each prompt alone."""
+    llm = LLM(qwen3_dir, device="cpu", kv_cache_tokens=2048, block_size=4, max_num_seqs=3, static_shapes=True)
+    llm.engine.admission.observe_finished(20)  # as if measured before: eager steps far dearer than fixed ones
+    llm.engine.admission.observe_step(eager=True, seconds=1.0)
+    assert [o.token_ids for o in llm.generate(prompts(6), GREEDY)] == alone
+    assert llm.engine.admission.graph_s is not None and llm.engine.scheduler.admission_batch > 1

@@ -14,8 +14,9 @@ def render(snapshot: dict) -> str:
 
 
 def test_remote_speculator_counters_appear_only_with_it():
-    plain = render({"draft_tokens": 5, "accepted_tokens": 3, "draft_k": 4})
+    plain = render({"draft_tokens": 5, "accepted_tokens": 3, "draft_k": 4, "admission_batch": 6})
     assert "specdec_spec_draft_tokens_total 5.0" in plain and "specdec_spec_draft_k 4.0" in plain
+    assert "specdec_admission_batch 6.0" in plain
     assert "remote_draft" not in plain
     remote = render({"remote_requests": 10, "remote_failures": 2, "remote_timeouts": 1, "remote_fallbacks": 1,
                      "remote_fallback": True})

@@ -7,6 +7,7 @@ import time
 
 import torch
 
+from specdec.engine.admission import AdmissionBatcher
 from specdec.engine.kv_cache import BlockManager, KVCache, num_blocks_for
 from specdec.engine.request import Request, TokenLogprobs
 from specdec.engine.runner import ModelRunner
@@ -25,10 +26,11 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 256
     # Admit waiting requests once this many sequence slots are free (while others decode), coalescing the
-    # eager prefill steps (engine/scheduler.py); None: max_num_seqs // 8 when decode steps replay CUDA
-    # graphs, else 1 (every step is eager anyway).  admission_max_wait bounds the steps a request is held.
+    # eager prefill steps (engine/scheduler.py); None: sized from the measured costs of eager and graph steps
+    # (engine/admission.py; 1 where every step is eager, as on a CPU).  admission_max_wait bounds the steps a
+    # request is held back (only ever while more requests wait than slots are free).
     admission_batch: int | None = None
-    admission_max_wait: int = 16
+    admission_max_wait: int = 64
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     static_shapes: bool | None = None  # pad decode/verify steps to fixed shapes (default: on GPU only)
     cuda_graphs: bool = True  # capture fixed-shape steps as CUDA graphs (GPU only)
@@ -94,12 +96,10 @@ class Engine:
 
             enable_fused_kernels()
         self.runner = ModelRunner(model, self.kv_cache, self.device, self._static_runner())
-        admission_batch = config.admission_batch
-        if admission_batch is None:
-            graphs = self.runner.static is not None and self.runner.static.capture
-            admission_batch = max(1, config.max_num_seqs // 8) if graphs else 1
+        # coalesced admissions: a fixed batch, or one sized from measured step costs (engine/admission.py)
+        self.admission = AdmissionBatcher(config.max_num_seqs) if config.admission_batch is None else None
         self.scheduler = Scheduler(self.blocks, config.max_num_batched_tokens, config.max_num_seqs,
-                                   admission_batch, config.admission_max_wait)
+                                   config.admission_batch or 1, config.admission_max_wait)
         self.eos_token_ids = eos_token_ids
         self.speculator = speculator
         self.controller = None  # speculate.cost_model.KController: how many drafts this step
@@ -179,6 +179,8 @@ class Engine:
         started = time.perf_counter()
         eager_before = self.runner.eager_forwards
         decoding = self._propose() if self.speculator is not None else 0
+        if self.admission is not None:
+            self.scheduler.admission_batch = self.admission.batch()
         seqs = self.scheduler.schedule()
         finished = list(self.scheduler.out_of_cache)
         self.scheduler.out_of_cache.clear()
@@ -194,6 +196,9 @@ class Engine:
         self.stats["steps"] += 1
         self.stats["tokens_fed"] += sum(s.num_new for s in seqs)
         seconds = time.perf_counter() - started  # the tokens are on the host: the step's work is done
+        eager = self.runner.eager_forwards > eager_before
+        if self.admission is not None:
+            self.admission.observe_step(eager, seconds)
         if self.controller is not None and decoding:
             tokens = sum(len(t) for t in emitted)
             self.controller.observe_step(decoding, self.controller.last_k, tokens, seconds)
@@ -201,7 +206,7 @@ class Engine:
             self.trace.append(StepRecord(
                 sequences=len(seqs), fed=sum(s.num_new for s in seqs), drafts=sum(s.num_drafts for s in seqs),
                 emitted=sum(len(t) for t in emitted), k=self.controller.last_k if decoding else 0,
-                eager=self.runner.eager_forwards > eager_before, seconds=seconds))
+                eager=eager, seconds=seconds))
         return finished
 
     def set_speculator(self, speculator, controller) -> None:
@@ -282,6 +287,8 @@ class Engine:
         if req.finished:
             self.scheduler.finish(req)
             self._on_finished(req)
+            if self.admission is not None:
+                self.admission.observe_finished(req.num_steps)
         return req.finished
 
     def _count_speculation(self, num_drafts: int, accepted: int) -> None:
@@ -308,6 +315,7 @@ class Engine:
             "speculator": self.speculator.name if self.speculator else None,
             "draft_k": self.controller.last_k if self.controller else 0,
             "eager_forwards": self.runner.eager_forwards,
+            "admission_batch": self.scheduler.admission_batch,
             **(self.speculator.metrics() if self.speculator else {}),
         }
 

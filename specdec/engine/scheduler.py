@@ -5,6 +5,13 @@ tokens (one while decoding, plus any drafts to verify; a chunk of its prompt whi
 Waiting requests are admitted oldest first while budget, sequence slots and cache blocks remain.
 When a running request needs a block and none is free, the newest running request is preempted:
 its blocks are released and it is recomputed from scratch later (its tokens so far become prompt).
+
+Admissions can be coalesced (`admission_batch`): a step that prefills runs eagerly, and on a GPU an eager
+step costs many graph-replayed decode steps, so admitting each request in the step its slot frees up turns
+staggered finishes (speculation makes every reply end at its own step) into a string of eager steps.  While
+requests are decoding, waiting ones are then admitted once `admission_batch` slots are free (or all of them
+fit), after at most `admission_max_wait` held steps, or at once when the step prefills anyway.  The engine
+sizes the batch from measured step costs (engine/admission.py).
 """
 
 from __future__ import annotations
@@ -25,10 +32,14 @@ class ScheduledSeq:
 
 
 class Scheduler:
-    def __init__(self, blocks: BlockManager, max_num_batched_tokens: int, max_num_seqs: int):
+    def __init__(self, blocks: BlockManager, max_num_batched_tokens: int, max_num_seqs: int,
+                 admission_batch: int = 1, admission_max_wait: int = 16):
         self.blocks = blocks
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
+        self.admission_batch = admission_batch
+        self.admission_max_wait = admission_max_wait
+        self.held_steps = 0  # consecutive steps that held waiting requests back for a fuller admission
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -52,9 +63,23 @@ class Scheduler:
             scheduled.append(seq)
             budget -= seq.num_new
             i += 1
-        if len(scheduled) == len(self.running):  # admit only when no running request was left out
+        if len(scheduled) == len(self.running) and self._admission_due(scheduled):  # nobody left out
             budget = self._admit(scheduled, budget)
         return scheduled
+
+    def _admission_due(self, scheduled: list[ScheduledSeq]) -> bool:
+        """Whether waiting requests may be admitted this step (see the module's note on coalescing)."""
+        free = self.max_num_seqs - len(self.running)
+        if not self.waiting or free == 0:  # nobody to admit, or no slot: nothing is held back
+            self.held_steps = 0
+            return False
+        prefills = any(s.num_new - s.num_drafts > 1 for s in scheduled)  # the step runs eagerly anyway
+        if (not scheduled or prefills or free >= min(self.admission_batch, len(self.waiting))
+                or self.held_steps >= self.admission_max_wait):
+            self.held_steps = 0
+            return True
+        self.held_steps += 1
+        return False
 
     def finish(self, request: Request) -> None:
         """Release a finished request's blocks."""

@@ -29,6 +29,7 @@ ENGINE_GAUGES = {
     "draft_k": ("spec_draft_k", "Drafts per request chosen for the last step (0 = speculation off)"),
     "running": ("num_requests_running", "Requests being generated"),
     "waiting": ("num_requests_waiting", "Requests queued for admission"),
+    "admission_batch": ("admission_batch", "Free sequence slots waited for before admitting queued requests"),
 }
 
 # present only with the remote speculator
