@@ -151,26 +151,27 @@ def test_any_shape_attention_folds_query_heads_exactly(qwen3_dir, monkeypatch):
 
 
 def test_mixed_query_counts_attend_in_groups_with_the_padded_result():
-    """A step of decodes beside a prefill chunk and a verify is attended per query-length group (each padded
-    to its own longest), not all padded to the prefill's length; the result is the same."""
+    """A step of decodes and verifies beside prefill chunks is attended per query-length group (the short
+    queries together, each longer one by its power of two; each padded to its own longest), not all padded to
+    the longest prefill; the result is the same."""
     from specdec.models.attention import AttentionBatch, paged_attention
 
     torch.manual_seed(1)
-    block_size, query_lens, context_lens = 4, [1, 1, 9, 3, 1], [7, 13, 9, 20, 2]
+    block_size, query_lens, context_lens = 4, [1, 1, 9, 3, 1, 40, 20], [7, 13, 9, 20, 2, 44, 20]
     starts = [0]
     for n in query_lens:
         starts.append(starts[-1] + n)
-    tables = torch.randperm(40)[:30].reshape(5, 6)  # distinct blocks per sequence
-    k_cache, v_cache = torch.randn(40 * block_size, 2, 8), torch.randn(40 * block_size, 2, 8)
+    tables = torch.randperm(100)[:84].reshape(7, 12)  # distinct blocks per sequence
+    k_cache, v_cache = torch.randn(100 * block_size, 2, 8), torch.randn(100 * block_size, 2, 8)
     q = torch.randn(starts[-1], 4, 8)
 
     def batch(host_lens):
         return AttentionBatch(torch.tensor(starts), torch.tensor(context_lens), tables, torch.zeros(starts[-1],
-                              dtype=torch.long), max(query_lens), 32, host_lens=host_lens).prepare(block_size)
+                              dtype=torch.long), max(query_lens), 48, host_lens=host_lens).prepare(block_size)
 
     grouped = batch((query_lens, context_lens))
-    assert sorted(g.batch.max_query_len for g in grouped.groups) == [1, 3, 9]
+    assert sorted(g.batch.max_query_len for g in grouped.groups) == [9, 20, 40]
     assert [g.batch.max_context_len for g in sorted(grouped.groups, key=lambda g: g.batch.max_query_len)] == \
-        [16, 32, 16]  # each group's keys reach its own longest context, padded to 16
+        [32, 32, 48]  # each group's keys reach its own longest context, padded to 16
     expected = paged_attention(q, k_cache, v_cache, batch(None), 0.35)
     assert torch.allclose(paged_attention(q, k_cache, v_cache, grouped, 0.35), expected, atol=1e-6)

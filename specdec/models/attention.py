@@ -102,18 +102,25 @@ class QueryGroup:
     padded_rows: torch.Tensor  # [n] ... and where each sits among the group's [b * max_q] padded rows
 
 
+SHORT_QUERIES = 16  # sequences with at most this many queries (decodes, verifies) share one group
+
+
 def split_by_query_length(batch: AttentionBatch, block_size: int) -> list[QueryGroup]:
-    """Group a step's sequences by their query count rounded up to a power of two.
+    """Group a step's sequences: all with at most SHORT_QUERIES queries together, longer ones by their query
+    count rounded up to a power of two.
 
     Padding every sequence of a mixed step to its longest query count made the padded queries, the mask and
     the bias [B, max_q, max_ctx]: 52 decoding sequences beside a 500-token prefill chunk padded to 26,000
-    query rows.  Example: query counts (1, 1, 500, 5, 1) -> groups {0, 1, 4} (q 1), {2} (q 500), {3} (q 5);
-    each group's keys reach only its own longest context."""
+    query rows.  But each group costs a dozen kernel launches per layer, and an eager step of a small model is
+    all launches (the reference target's: 9-15 ms, bench/eager_steps.py): verifies of n-gram drafts, whose
+    lengths vary from 0 to k, made up to five groups of short queries.  Example: query counts
+    (1, 1, 500, 5, 1, 40) -> groups {0, 1, 3, 4} (q 5), {2} (q 500), {5} (q 40); each group's keys reach only
+    its own longest context."""
     query_lens, context_lens = batch.host_lens
     starts = [0, *itertools.accumulate(query_lens)]
     buckets: dict[int, list[int]] = {}
     for i, n in enumerate(query_lens):
-        buckets.setdefault(max(0, n - 1).bit_length(), []).append(i)
+        buckets.setdefault(0 if n <= SHORT_QUERIES else (n - 1).bit_length(), []).append(i)
     device = batch.context_lens.device
     groups = []
     for members in buckets.values():
