@@ -4,8 +4,9 @@
 Steps that mix prefill with decoding, or verify shapes outside the captured graphs, run eagerly.  Under load
 they are a large share of an engine's time (issue 4: 23 eager steps of 19 ms were 45 % of plain decoding's
 time at concurrency 64 on the reference pair), and speculation makes more of them.  For each model and step
-shape: the median time of the target's forward with the compiled pieces (what the engine runs) and with the
-plain ones (`specdec.models.fused.plain_kernels`).
+shape: the median time of the target's forward with the compiled pieces (what the engine runs), with the plain
+ones (`specdec.models.fused.plain_kernels`), and through piecewise graphs (`engine/piecewise.py`: everything but
+attention replayed as CUDA graphs per token bucket).
 
 GPU:  python3 bench/eager_steps.py --out $OUT/eager-steps-h200.json
 CPU dry run:  python3 bench/eager_steps.py --device cpu --twin "" --out /tmp/eager.json
@@ -25,6 +26,7 @@ import torch  # noqa: E402
 
 from bench.common import environment, timed, write_json  # noqa: E402
 from specdec import LLM, SamplingParams  # noqa: E402
+from specdec.engine.piecewise import PiecewiseRunner  # noqa: E402
 from specdec.engine.request import Request  # noqa: E402
 from specdec.engine.scheduler import ScheduledSeq  # noqa: E402
 from specdec.models.fused import Kernels, plain_kernels  # noqa: E402
@@ -64,6 +66,9 @@ def scratch_step(llm: LLM, shape) -> tuple[list[ScheduledSeq], list[Request]]:
 def time_shapes(llm: LLM, repeats: int) -> list[dict]:
     rows = []
     runner = llm.engine.runner
+    most = max(d * (1 + k) + p * t for d, k, p, t in SHAPES.values())  # tokens of the widest step
+    piecewise = PiecewiseRunner(llm.model, llm.device, most, capture=True)
+    piecewise.capture_all()
     for name, shape in SHAPES.items():
         seqs, held = scratch_step(llm, shape)
         row = {"shape": name, "tokens": sum(s.num_new for s in seqs)}
@@ -73,7 +78,10 @@ def time_shapes(llm: LLM, repeats: int) -> list[dict]:
             row["eager"] = runner.eager_forwards > before
             with plain_kernels():
                 row["plain_ms"] = 1e3 * timed(lambda: runner.forward(seqs), llm.device, repeats=repeats, warmup=2)
+            runner.piecewise = piecewise
+            row["piecewise_ms"] = 1e3 * timed(lambda: runner.forward(seqs), llm.device, repeats=repeats, warmup=2)
         finally:
+            runner.piecewise = None
             for req in held:
                 llm.engine.blocks.release(req.block_ids)
         rows.append(row)

@@ -168,18 +168,21 @@ def main(argv=None) -> int:
     parser.add_argument("--rounds", type=int, default=3, help="timed runs of each load per config (median kept)")
     parser.add_argument("--peer", action=argparse.BooleanOptionalAction, default=True,
                         help="also time transformers' plain and assisted generation at batch 1")
+    parser.add_argument("--piecewise", action="store_true",
+                        help="engines replay all but attention of eager steps as CUDA graphs (piecewise_graphs)")
     parser.add_argument("--profile", type=int, default=0, metavar="N",
                         help="also profile each load once more and keep its N costliest functions")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0)
     names = args.configs.split(",")
-    results = {"env": environment(device), "max_tokens": args.max_tokens, "rounds": args.rounds, "loads": []}
+    results = {"env": environment(device), "max_tokens": args.max_tokens, "rounds": args.rounds,
+               "piecewise_graphs": args.piecewise, "loads": []}
     for c in (int(c) for c in args.concurrency.split(",")):
         prompts = load_prompts(max(3 * c, 12))  # longer timed windows than 2c: the 2c ones lasted 0.2-0.8 s
         # an explicit KV size: sized from free memory, a later engine would find what earlier ones kept
         llms = {name: LLM("ref-target", device=device, speculator=CONFIGS[name], max_num_seqs=c,
-                          kv_cache_tokens=32768) for name in names}
+                          kv_cache_tokens=32768, piecewise_graphs=args.piecewise) for name in names}
         for llm in llms.values():
             run_load(llm, prompts, params)  # warm-up: graph capture for every shape this load meets
         rows = time_loads(llms, prompts, params, args.rounds)

@@ -279,3 +279,31 @@ def test_measured_admission_batch_keeps_outputs(qwen3_dir, alone):
     llm.engine.admission.observe_step(eager=True, seconds=1.0)
     assert [o.token_ids for o in llm.generate(prompts(6), GREEDY)] == alone
     assert llm.engine.admission.graph_s is not None and llm.engine.scheduler.admission_batch > 1
+
+
+def test_piecewise_eager_steps_keep_outputs_and_logits(qwen3_dir, alone):
+    """Eager steps through the piecewise runner (all but attention on static, bucket-padded buffers; on a CPU
+    the pieces run eagerly) give the plain path's logits and outputs: prefills, chunked prefills, mixed steps."""
+    from specdec.engine.engine import Engine, EngineConfig
+    from specdec.engine.scheduler import ScheduledSeq
+    from specdec.errors import ConfigError
+    from specdec.models.loader import load_model
+
+    llm = LLM(qwen3_dir, device="cpu", kv_cache_tokens=2048, block_size=4, max_num_seqs=3,
+              max_num_batched_tokens=40, piecewise_graphs=True)
+    piecewise = llm.engine.runner.piecewise
+    assert piecewise.buckets == [16, 32, 64]
+    assert [o.token_ids for o in llm.generate(prompts(6), GREEDY)] == alone
+    assert piecewise.forwards > 0
+    ids = prompts(1, seed=6)[0]  # 36 rows in the 64-token bucket: rows 36..63 are padding
+    assert len(ids) == 36
+    reference = LLM(qwen3_dir, device="cpu", kv_cache_tokens=2048, block_size=4).engine.all_logits(ids)
+    req = llm.engine.add_request(ids, GREEDY)
+    llm.engine.scheduler.waiting.remove(req)
+    req.block_ids = llm.engine.blocks.allocate(llm.engine.blocks.blocks_for(len(ids)))
+    rows = llm.engine.runner.forward([ScheduledSeq(req, len(ids), 0, samples=True)])[0]
+    assert torch.allclose(rows, reference[-1:], atol=1e-5)
+    model = load_model(qwen3_dir, "cpu")
+    model.tensor_parallel = (0, 2)
+    with pytest.raises(ConfigError, match="tensor parallelism"):
+        Engine(model, EngineConfig(kv_cache_tokens=256, piecewise_graphs=True))

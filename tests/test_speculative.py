@@ -56,11 +56,12 @@ def test_greedy_equals_plain(qwen3_dir, drafter_dir, plain, method, k):
     assert llm.engine.metrics()["draft_tokens"] > 0
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft"])
-def test_greedy_equals_plain_under_preemption_chunking_and_prefix_hits(qwen3_dir, drafter_dir, plain, method):
+@pytest.mark.parametrize("method,piecewise", [("ngram", False), ("draft", False), ("ngram", True), ("draft", True)])
+def test_greedy_equals_plain_under_preemption_chunking_and_prefix_hits(qwen3_dir, drafter_dir, plain, method,
+                                                                     piecewise):
     model = str(drafter_dir) if method == "draft" else None
     spec = SpecConfig(method, model=model, num_draft_tokens=4, adaptive=False)
-    tight = spec_llm(qwen3_dir, spec, kv_cache_tokens=160, max_num_batched_tokens=24)
+    tight = spec_llm(qwen3_dir, spec, kv_cache_tokens=160, max_num_batched_tokens=24, piecewise_graphs=piecewise)
     assert [o.token_ids for o in tight.generate(mixed_prompts(), GREEDY)] == plain
     assert tight.engine.scheduler.num_preemptions > 0
     again = tight.generate(mixed_prompts(), GREEDY)

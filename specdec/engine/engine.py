@@ -40,6 +40,9 @@ class EngineConfig:
     fused_kernels: bool | None = None  # compiled elementwise kernels (specdec.models.fused); None: on a GPU.
     # Once on, they stay on for the process (specdec.models.fused.Kernels is shared by every model).
     compile_graphs: str | None = None  # torch.compile backend for each fixed-shape step before capture
+    # Eager steps (prefills, mixed steps) replay everything but attention as CUDA graphs per token bucket
+    # (engine/piecewise.py).  Opt-in until measured on a GPU; not with tensor parallelism.
+    piecewise_graphs: bool = False
 
     def validate(self) -> None:
         if self.block_size <= 0:
@@ -87,6 +90,8 @@ class Engine:
 
             step_bytes = profile_step_bytes(model, config.max_num_batched_tokens, config.max_num_seqs,
                                             config.block_size, self.device)
+            if config.piecewise_graphs:  # the pieces' private graph pool holds a widest step's temporaries too
+                step_bytes *= 2
         num_blocks = num_blocks_for(mc, config.block_size, dtype, self.device, config.kv_cache_tokens,
                                     config.gpu_memory_utilization, step_bytes)
         self.kv_cache = KVCache(mc, num_blocks, config.block_size, self.device, dtype)
@@ -95,7 +100,7 @@ class Engine:
             from specdec.models.fused import enable_fused_kernels
 
             enable_fused_kernels()
-        self.runner = ModelRunner(model, self.kv_cache, self.device, self._static_runner())
+        self.runner = ModelRunner(model, self.kv_cache, self.device, self._static_runner(), self._piecewise_runner())
         # coalesced admissions: a fixed batch, or one sized from measured step costs (engine/admission.py)
         self.admission = AdmissionBatcher(config.max_num_seqs) if config.admission_batch is None else None
         self.scheduler = Scheduler(self.blocks, config.max_num_batched_tokens, config.max_num_seqs,
@@ -120,6 +125,16 @@ class Engine:
                             self.config.max_num_seqs), max_q=33,
                             max_context=self.graph_context_bound,
                             capture=self.config.cuda_graphs, compile_backend=self.config.compile_graphs)
+
+    def _piecewise_runner(self):
+        if not self.config.piecewise_graphs:
+            return None
+        if getattr(self.model, "tensor_parallel", None) is not None:
+            raise ConfigError("piecewise_graphs does not support tensor parallelism yet: leave it off with "
+                              "tensor_parallel_size > 1")
+        from specdec.engine.piecewise import PiecewiseRunner
+
+        return PiecewiseRunner(self.model, self.device, self.config.max_num_batched_tokens, self.config.cuda_graphs)
 
     @property
     def graph_context_bound(self) -> int:
@@ -215,12 +230,14 @@ class Engine:
     def precapture_graphs(self) -> int:
         """Capture the CUDA graphs of every decode / verify shape (and the drafter's) before serving.
 
-        q values: 1 (decode) and k + 1 for each k the controller may choose.  Returns how many shapes."""
+        q values: 1 (decode) and k + 1 for each k the controller may choose; with piecewise_graphs, every token
+        bucket's pieces too.  Returns how many shapes and pieces were captured."""
+        count = self.runner.piecewise.capture_all() if self.runner.piecewise is not None else 0
         static = self.runner.static
         if static is None or not static.capture:
-            return 0
+            return count
         ks = self.controller.candidates() if self.controller is not None else [0]
-        count = static.precapture([k + 1 for k in ks])
+        count += static.precapture([k + 1 for k in ks])
         drafter_static = getattr(getattr(self.speculator, "runner", None), "static", None)
         if drafter_static is not None:  # the chain's first forward feeds 1..FIRST_FEED tokens, the rest 1
             count += drafter_static.precapture(list(range(1, self.speculator.first_feed + 1)))

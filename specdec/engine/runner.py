@@ -11,7 +11,7 @@ from specdec.models.transformer import CausalLM
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, kv_cache: KVCache, device: torch.device, static=None):
+    def __init__(self, model: CausalLM, kv_cache: KVCache, device: torch.device, static=None, piecewise=None):
         self.model = model
         model.fuse_projections()  # one GEMM for q/k/v and one for gate/up (weights become views: no copy)
         self.kv_cache = kv_cache
@@ -19,6 +19,7 @@ class ModelRunner:
         self.block_size = kv_cache.block_size
         self.static = static  # StaticRunner for uniform decode/verify steps (CUDA graphs on GPU), or None
         self.eager_forwards = 0  # forwards that did not take the fixed-shape path (prefills, other shapes)
+        self.piecewise = piecewise  # PiecewiseRunner for those (all but attention as CUDA graphs), or None
 
     @torch.inference_mode()
     def forward(self, seqs: list[ScheduledSeq], fed_ids: torch.Tensor | None = None) -> list[torch.Tensor]:
@@ -52,8 +53,10 @@ class ModelRunner:
             counts.append(n_logits)
         batch = self._batch(seqs, starts, ctx, slots)
         ids = self._long(ids) if fed_ids is None else fed_ids.to(device=self.device, dtype=torch.long)
-        logits = self.model(ids, self._long(positions), batch, self.kv_cache.layers,
-                            self._long(logits_rows))  # [sum(counts), V]
+        piecewise = self.piecewise is not None and self.piecewise.fits(len(positions))
+        model = self.piecewise.forward if piecewise else self.model
+        logits = model(ids, self._long(positions), batch, self.kv_cache.layers,
+                       self._long(logits_rows))  # [sum(counts), V]
         return list(torch.split(logits, counts))
 
     @torch.inference_mode()

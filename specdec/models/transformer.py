@@ -42,22 +42,30 @@ class Attention(nn.Module):
             return tuple(self.qkv(x))
         return self.q_proj(x), self.k_proj(x), self.v_proj(x)
 
-    def forward(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], batch: AttentionBatch,
-                kv_cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    def heads(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]):
+        """x [T, hidden] -> q [T, H, D], k [T, Hkv, D] (normed where Qwen3 norms them, rotated), v [T, Hkv, D]."""
         tokens = x.shape[0]
         q, k, v = self.project(x)
-        q = q.view(tokens, self.num_heads, self.head_dim)  # [T, H, D]
-        k = k.view(tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        q = q.view(tokens, self.num_heads, self.head_dim)
+        k = k.view(tokens, self.num_kv_heads, self.head_dim)
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
         if self.qk_norm:  # per-head RMSNorm and the rotary embedding in one pass each
             q = self.q_norm.rotate_forward(q, cos_sin)
             k = self.k_norm.rotate_forward(k, cos_sin)
         else:
             q, k = Rotary.forward(q, k, cos_sin)
+        return q, k, v
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: AttentionBatch,
+               kv_cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """Write this step's keys/values to the cache and attend: -> [T, H, D]."""
         k_cache, v_cache = kv_cache
         write_kv(k_cache, v_cache, k, v, batch.slot_mapping)
-        out = paged_attention(q, k_cache, v_cache, batch, self.scale)  # [T, H, D]
-        return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
+        return paged_attention(q, k_cache, v_cache, batch, self.scale)
+
+    def output(self, out: torch.Tensor) -> torch.Tensor:
+        """[T, H, D] -> [T, hidden]."""
+        return self.o_proj(out.reshape(out.shape[0], self.num_heads * self.head_dim))
 
 
 class DecoderLayer(nn.Module):
@@ -67,11 +75,6 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(config)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size)
-
-    def forward(self, x, normed, cos_sin, batch, kv_cache):
-        """x: the residual stream [T, hidden]; normed: input_layernorm(x).  Returns (x, mlp output)."""
-        x, h = self.post_attention_layernorm.add_forward(x, self.self_attn(normed, cos_sin, batch, kv_cache))
-        return x, self.mlp(h)
 
 
 class DecoderBody(nn.Module):
@@ -109,17 +112,29 @@ class CausalLM(nn.Module):
 
     def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch,
                       kv_caches: KVCaches) -> torch.Tensor:
-        """[T] ids -> [T, hidden] final-normed hidden states."""
-        x = self.model.embed_tokens(input_ids)
-        cos_sin = self.rotary.lookup(positions, x.dtype)
-        layers = self.model.layers
-        # each layer's last residual add is fused with the next layer's input norm (or the final norm)
-        h = layers[0].input_layernorm(x)
-        for i, (layer, kv_cache) in enumerate(zip(layers, kv_caches)):
-            x, delta = layer(x, h, cos_sin, batch, kv_cache)
-            next_norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
-            x, h = next_norm.add_forward(x, delta)
+        """[T] ids -> [T, hidden] final-normed hidden states.
+
+        The same pieces as a piecewise step (engine/piecewise.py), which replays everything between two
+        attentions as a CUDA graph: embed_piece, then per layer heads -> attend -> post_attention_piece."""
+        x, h, cos_sin = self.embed_piece(input_ids, positions)
+        for i, kv_cache in enumerate(kv_caches):
+            attn = self.model.layers[i].self_attn
+            x, h = self.post_attention_piece(i, x, attn.attend(*attn.heads(h, cos_sin), batch, kv_cache))
         return h
+
+    def embed_piece(self, input_ids: torch.Tensor, positions: torch.Tensor):
+        """-> the residual stream x [T, hidden], the first layer's input norm of it, cos/sin [T, 1, D]."""
+        x = self.model.embed_tokens(input_ids)
+        return x, self.model.layers[0].input_layernorm(x), self.rotary.lookup(positions, x.dtype)
+
+    def post_attention_piece(self, i: int, x: torch.Tensor, attended: torch.Tensor):
+        """Layer i from its attention output [T, H, D] on: -> (x, the next layer's input norm of x, or the
+        final norm after the last layer).  Each residual add is fused with the norm that follows it."""
+        layers = self.model.layers
+        layer = layers[i]
+        x, h = layer.post_attention_layernorm.add_forward(x, layer.self_attn.output(attended))
+        next_norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
+        return next_norm.add_forward(x, layer.mlp(h))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch,
                 kv_caches: KVCaches, logits_index: torch.Tensor | None = None) -> torch.Tensor:

@@ -25,7 +25,6 @@ CALIBRATION_MAX_TOKENS = 512  # cost-table points up to this many tokens; beyond
 
 
 def build_speculator(config: SpecConfig, llm) -> tuple[Speculator, KController]:
-    engine = llm.engine
     if config.method == "ngram":
         spec: Speculator = NgramSpeculator(config.ngram_max, config.ngram_min)
     elif config.method == "draft":

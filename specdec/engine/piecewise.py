@@ -1,0 +1,136 @@
+"""Eager steps with everything but attention replayed as CUDA graphs ("piecewise" graphs; opt-in).
+
+A step that prefills, or any step of a shape the captured decode/verify graphs do not cover, runs eagerly, and
+an eager step of the 8-layer reference target costs 9-15 ms on an H200 whatever its size (bench/eager_steps.py):
+about 2,000 PyTorch calls dispatched one by one from Python.  Only attention depends on the step's layout (its
+query-length groups, contexts and block tables).  Everything between two attentions works row by row on
+[T, hidden], so it can be captured once per token bucket (16, 32, ... up to the step budget) and replayed:
+
+    copy ids and positions into static buffers (rows T..bucket padded with 0)
+    piece 0       embedding, the first input norm, layer 0's q / k / v (normed, rotated)   -> static q, k, v
+    per layer i   eager: write this step's keys/values, attend over the real T rows         -> static attended
+                  piece i + 1: o_proj, residual adds and norms, MLP, then layer i + 1's q / k / v (or the
+                  final norm after the last layer)
+    lm_head on the rows to sample (eager: their number varies)
+
+Padding rows compute values nothing reads: every piece is row-wise, attention reads only the first T rows, and
+they write no keys.  Example: a 37-token step (a decode beside a 36-token prompt) runs in the 64-token bucket,
+rows 37..63 padding.  On a CPU the pieces run eagerly on the same padded buffers, which is how the tests check
+them.  Tensor parallelism is not supported here (its all-reduces would sit inside the pieces).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specdec.models.attention import AttentionBatch
+from specdec.models.transformer import CausalLM, KVCaches
+
+SMALLEST_BUCKET = 16
+
+
+class PiecewiseRunner:
+    def __init__(self, model: CausalLM, device: torch.device, max_tokens: int, capture: bool):
+        self.model = model
+        self.device = device
+        self.capture = capture and device.type == "cuda"
+        self.buckets = [SMALLEST_BUCKET]
+        while self.buckets[-1] < max_tokens:
+            self.buckets.append(2 * self.buckets[-1])
+        self.num_layers = len(model.model.layers)
+        rows, config = self.buckets[-1], model.config
+        dtype = model.model.embed_tokens.weight.dtype
+        attn = model.model.layers[0].self_attn
+        heads, kv_heads, head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
+
+        def buffer(*shape, kind=dtype):
+            return torch.zeros(rows, *shape, dtype=kind, device=device)
+
+        self.ids, self.positions = buffer(kind=torch.long), buffer(kind=torch.long)
+        self.x, self.h = buffer(config.hidden_size), buffer(config.hidden_size)  # residual stream; normed
+        self.cos, self.sin = buffer(1, head_dim), buffer(1, head_dim)
+        self.q, self.k, self.v = buffer(heads, head_dim), buffer(kv_heads, head_dim), buffer(kv_heads, head_dim)
+        self.attended = buffer(heads, head_dim)
+        self.graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}  # bucket -> one graph per piece
+        self.pool = torch.cuda.graph_pool_handle() if self.capture else None
+        self.forwards = 0
+
+    def fits(self, tokens: int) -> bool:
+        return tokens <= self.buckets[-1]
+
+    def bucket(self, tokens: int) -> int:
+        return next(b for b in self.buckets if b >= tokens)
+
+    @torch.inference_mode()
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch, kv_caches: KVCaches,
+                logits_index: torch.Tensor | None = None) -> torch.Tensor:
+        """As CausalLM.forward: ids, positions [T] -> logits [N, V] at logits_index (all T rows if None)."""
+        tokens = ids.shape[0]
+        n = self.bucket(tokens)
+        self.ids[:tokens].copy_(ids)
+        self.ids[tokens:n].zero_()
+        self.positions[:tokens].copy_(positions)
+        self.positions[tokens:n].zero_()
+        self._run(n, 0)
+        for i, kv_cache in enumerate(kv_caches):
+            attn = self.model.model.layers[i].self_attn
+            self.attended[:tokens].copy_(attn.attend(self.q[:tokens], self.k[:tokens], self.v[:tokens], batch,
+                                                     kv_cache))
+            self._run(n, i + 1)
+        hidden = self.h[:tokens]
+        self.forwards += 1
+        return self.model.lm_head(hidden if logits_index is None else hidden[logits_index])
+
+    def capture_all(self) -> int:
+        """Capture every bucket's pieces (on a GPU; nothing to do on a CPU); returns the graphs captured."""
+        if not self.capture:
+            return 0
+        for n in self.buckets:
+            if n not in self.graphs:
+                self.graphs[n] = self._capture(n)
+        return sum(len(g) for g in self.graphs.values())
+
+    # ------------------------------------------------------------------ the pieces
+
+    def _run(self, n: int, piece: int) -> None:
+        if not self.capture:
+            self._piece(n, piece)
+            return
+        if n not in self.graphs:
+            self.graphs[n] = self._capture(n)
+        self.graphs[n][piece].replay()
+
+    def _piece(self, n: int, piece: int) -> None:
+        """Piece 0: embedding to layer 0's q / k / v; piece i + 1: layer i after its attention, to layer i + 1's
+        q / k / v (or the final norm).  Reads and writes the static buffers' first n rows."""
+        if piece == 0:
+            x, h, (cos, sin) = self.model.embed_piece(self.ids[:n], self.positions[:n])
+            self.cos[:n].copy_(cos)
+            self.sin[:n].copy_(sin)
+        else:
+            x, h = self.model.post_attention_piece(piece - 1, self.x[:n], self.attended[:n])
+        self.x[:n].copy_(x)
+        if piece == self.num_layers:
+            self.h[:n].copy_(h)
+            return
+        q, k, v = self.model.model.layers[piece].self_attn.heads(h, (self.cos[:n], self.sin[:n]))
+        self.q[:n].copy_(q)
+        self.k[:n].copy_(k)
+        self.v[:n].copy_(v)
+
+    def _capture(self, n: int) -> list[torch.cuda.CUDAGraph]:
+        pieces = range(self.num_layers + 1)
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):  # warm-up outside the graphs (allocator, compiled kernels' first call per shape)
+                for piece in pieces:
+                    self._piece(n, piece)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graphs = []
+        for piece in pieces:  # temporaries live in the shared pool; outputs go to the static buffers
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                self._piece(n, piece)
+            graphs.append(graph)
+        return graphs
