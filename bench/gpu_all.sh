@@ -8,9 +8,10 @@
 #   speculative  bench/speculative.py: the pair, draft and n-gram, concurrency 1/16/64 (issue 4)
 #   specsteps    bench/spec_steps.py: batch-1 step times by k and engine memory, twin target and drafter (issues 4, 11)
 #   attnshapes   bench/attention_shapes.py: first and steady cost of attention at new shapes, cuDNN vs any-shape
+#   eager        bench/eager_steps.py: eager step cost, compiled vs plain pieces vs piecewise graphs (issue 4)
 #   draftverify  bench/draft_verify.py: ref-draft over /draft, tau and serving time at concurrency 32 (issue 8)
 # Usage on the device:  STAGES="judge twin" SPECDEC_COMMIT=<sha> bash bench/gpu_all.sh "$OUT"   (.whl carried)
-# Stage limits: JUDGE_STAGE_S, SPEC_STAGE_S, DV_STAGE_S; extra arguments: SPEC_ARGS, DV_ARGS; gpu_judge.sh
+# Stage limits: JUDGE_STAGE_S, SPEC_STAGE_S, DV_STAGE_S, EAGER_STAGE_S; extra arguments: SPEC_ARGS, DV_ARGS; gpu_judge.sh
 # reads TWINS ("draft ngram") and PAIR (1).
 OUT=${1:-/tmp/out}; mkdir -p "$OUT"
 LIMIT=${ALL_LIMIT_S:-580}
@@ -36,6 +37,7 @@ for s in $STAGES; do
     speculative) stage speculative ${SPEC_STAGE_S:-200} python3 bench/speculative.py --out "$OUT/speculative-h200.json" $SPEC_ARGS ;;
     specsteps) stage specsteps ${STEPS_STAGE_S:-150} python3 bench/spec_steps.py --out "$OUT/spec-steps-h200.json" $STEPS_ARGS ;;
     attnshapes) stage attnshapes 60 python3 bench/attention_shapes.py --out "$OUT/attention-shapes-h200.json" ;;
+    eager) stage eager ${EAGER_STAGE_S:-150} python3 bench/eager_steps.py --out "$OUT/eager-steps-h200.json" ;;
     draftverify) stage draftverify ${DV_STAGE_S:-150} python3 bench/draft_verify.py --device cuda --out "$OUT/draft-verify-h200.json" $DV_ARGS ;;
     *) echo "unknown stage $s" ;;
   esac
