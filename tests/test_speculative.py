@@ -64,6 +64,10 @@ def test_greedy_equals_plain_under_preemption_chunking_and_prefix_hits(qwen3_dir
     tight = spec_llm(qwen3_dir, spec, kv_cache_tokens=160, max_num_batched_tokens=24, piecewise_graphs=piecewise)
     assert [o.token_ids for o in tight.generate(mixed_prompts(), GREEDY)] == plain
     assert tight.engine.scheduler.num_preemptions > 0
+    if piecewise:  # the target's eager steps, and a drafter's catch-ups, went through the pieces
+        assert tight.engine.runner.piecewise.forwards > 0
+        if method == "draft":
+            assert tight.engine.speculator.runner.piecewise.forwards > 0
     again = tight.generate(mixed_prompts(), GREEDY)
     assert [o.token_ids for o in again] == plain
 

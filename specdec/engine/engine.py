@@ -232,13 +232,15 @@ class Engine:
 
         q values: 1 (decode) and k + 1 for each k the controller may choose; with piecewise_graphs, every token
         bucket's pieces too.  Returns how many shapes and pieces were captured."""
-        count = self.runner.piecewise.capture_all() if self.runner.piecewise is not None else 0
+        drafter_runner = getattr(self.speculator, "runner", None)
+        runners = [r for r in (self.runner, drafter_runner) if r is not None and r.piecewise is not None]
+        count = sum(r.piecewise.capture_all() for r in runners)
         static = self.runner.static
         if static is None or not static.capture:
             return count
         ks = self.controller.candidates() if self.controller is not None else [0]
         count += static.precapture([k + 1 for k in ks])
-        drafter_static = getattr(getattr(self.speculator, "runner", None), "static", None)
+        drafter_static = getattr(drafter_runner, "static", None)
         if drafter_static is not None:  # the chain's first forward feeds 1..FIRST_FEED tokens, the rest 1
             count += drafter_static.precapture(list(range(1, self.speculator.first_feed + 1)))
         return count

@@ -82,7 +82,9 @@ def _draft_speculator(config: SpecConfig, llm):
     return DraftModelSpeculator(drafter, llm.model.config.vocab_size, tokens, llm.engine.config.block_size,
                                 static_shapes=static, max_batch=min(llm.engine.config.max_num_seqs,
                                                                     llm.engine.config.max_graph_batch),
-                                max_context=llm.engine.graph_context_bound)
+                                max_context=llm.engine.graph_context_bound,
+                                piecewise=llm.engine.config.piecewise_graphs,
+                                cuda_graphs=llm.engine.config.cuda_graphs)
 
 
 def check_same_tokenizer(target_dir: Path, draft_dir: Path) -> None:

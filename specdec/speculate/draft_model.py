@@ -48,7 +48,8 @@ class DraftModelSpeculator(Speculator):
     first_feed = FIRST_FEED
 
     def __init__(self, model: CausalLM, target_vocab: int, kv_cache_tokens: int, block_size: int = 16,
-                 static_shapes: bool = False, max_batch: int = 256, max_context: int = 8192):
+                 static_shapes: bool = False, max_batch: int = 256, max_context: int = 8192,
+                 piecewise: bool = False, cuda_graphs: bool = True):
         self.model = model
         self.device = model.lm_head.weight.device
         self.target_vocab = target_vocab
@@ -62,7 +63,12 @@ class DraftModelSpeculator(Speculator):
 
             static = StaticRunner(model, self.kv, self.device, max_batch, max_q=33,
                                   max_context=min(max_context, self.max_positions), capture=True)
-        self.runner = ModelRunner(model, self.kv, self.device, static)
+        pieces = None
+        if piecewise:  # catch-ups (a new request's prompt) with all but attention as CUDA graphs
+            from specdec.engine.piecewise import PiecewiseRunner
+
+            pieces = PiecewiseRunner(model, self.device, CATCH_UP_CHUNK, capture=cuda_graphs)
+        self.runner = ModelRunner(model, self.kv, self.device, static, pieces)
         self.shadows: dict[str, Shadow] = {}
         self.stats = {"draft_forwards": 0, "skipped_no_cache": 0}
 
