@@ -249,12 +249,19 @@ class Engine:
         """Drafts for every decoding request; k from the controller, capped by what may still be generated.
 
         Returns the number of decoding requests."""
-        running = self.scheduler.running
-        decoding = [r for r in running if not r.is_prefilling]
-        prefill = sum(r.num_tokens - r.num_computed for r in running if r.is_prefilling)
-        prefill += sum(r.num_tokens for r in self.scheduler.waiting)
-        k = self.controller.choose([r.request_id for r in decoding],
-                                   min(prefill, self.config.max_num_batched_tokens))
+        budget = self.config.max_num_batched_tokens
+        decoding, prefill = [], 0  # prefill: tokens of prompts that may share the step, up to its budget
+        for r in self.scheduler.running:
+            behind = r.num_tokens - r.num_computed
+            if behind > 1:
+                prefill += behind
+            else:
+                decoding.append(r)
+        for r in self.scheduler.waiting:  # a long queue: only its head can join this step
+            if prefill >= budget:
+                break
+            prefill += r.num_tokens
+        k = self.controller.choose([r.request_id for r in decoding], min(prefill, budget))
         if not k:  # a plain step: no speculator work (a host-bound step at 64 sequences is ~1.3 ms)
             for r in decoding:
                 if r.draft_token_ids:  # drafts of a step that left this request out
