@@ -245,28 +245,28 @@ def test_a_step_that_prefills_admits_at_once(qwen3_dir):
 
 def test_admission_batch_follows_measured_step_costs(qwen3_dir):
     """The economic order quantity m = C sqrt(2 E / S): C slots, eager steps E graph steps dearer, S steps a
-    request; 1 until both kinds of step are measured, and on a CPU, where every step is eager."""
+    request, each the median of recent samples; 1 until each has three samples, and on a CPU, where every step
+    is eager."""
     from specdec.engine.admission import AdmissionBatcher
 
-    batcher = AdmissionBatcher(16)
-    batcher.observe_step(eager=True, seconds=0.024)
-    batcher.observe_finished(67)
-    assert batcher.batch() == 1  # no graph step seen yet
-    batcher.observe_step(eager=False, seconds=0.001)
-    assert batcher.batch() == 13  # 16 * sqrt(2 * 23 / 67)
-    cheap = AdmissionBatcher(64)
-    cheap.observe_step(eager=True, seconds=0.0011)
-    cheap.observe_step(eager=False, seconds=0.001)
-    cheap.observe_finished(100)
-    assert cheap.batch() == 3  # 64 * sqrt(0.2 / 100) = 2.9
-    flooded = AdmissionBatcher(8)
-    flooded.observe_step(eager=True, seconds=1.0)
-    flooded.observe_step(eager=False, seconds=0.001)
-    flooded.observe_finished(2)
-    assert flooded.batch() == 8  # never more than the slots
+    def batcher(slots, eager_s, graph_s, steps, samples=3):
+        b = AdmissionBatcher(slots)
+        for _ in range(samples):
+            b.observe_step(eager=True, seconds=eager_s)
+            b.observe_step(eager=False, seconds=graph_s)
+            b.observe_finished(steps)
+        return b
+
+    assert batcher(16, 0.024, 0.001, 67, samples=2).batch() == 1  # too few samples yet
+    measured = batcher(16, 0.024, 0.001, 67)
+    assert measured.batch() == 13  # 16 * sqrt(2 * 23 / 67)
+    measured.observe_step(eager=True, seconds=5.0)  # a one-off (a first compile): the median holds
+    assert measured.batch() == 13
+    assert batcher(64, 0.0011, 0.001, 100).batch() == 3  # 64 * sqrt(2 * 0.1 / 100) = 2.9
+    assert batcher(8, 1.0, 0.001, 2).batch() == 8  # never more than the slots
     llm = LLM(qwen3_dir, device="cpu", kv_cache_tokens=2048, block_size=4, max_num_seqs=64)
     llm.generate(prompts(6), GREEDY)
-    assert llm.engine.scheduler.admission_batch == 1 and llm.engine.admission.graph_s is None
+    assert llm.engine.scheduler.admission_batch == 1 and llm.engine.admission.graph_s.value is None
     with pytest.raises(Exception, match="admission_batch"):
         LLM(qwen3_dir, device="cpu", kv_cache_tokens=2048, block_size=4, admission_batch=0)
 
@@ -275,10 +275,11 @@ def test_measured_admission_batch_keeps_outputs(qwen3_dir, alone):
     """Fixed-shape steps (as a GPU's graph steps) and eager prefills: the engine measures both and sizes the
     admission batch from them; outputs stay those of each prompt alone."""
     llm = LLM(qwen3_dir, device="cpu", kv_cache_tokens=2048, block_size=4, max_num_seqs=3, static_shapes=True)
-    llm.engine.admission.observe_finished(20)  # as if measured before: eager steps far dearer than fixed ones
-    llm.engine.admission.observe_step(eager=True, seconds=1.0)
+    for _ in range(8):  # as if measured before: eager steps far dearer than fixed ones
+        llm.engine.admission.observe_finished(20)
+        llm.engine.admission.observe_step(eager=True, seconds=1.0)
     assert [o.token_ids for o in llm.generate(prompts(6), GREEDY)] == alone
-    assert llm.engine.admission.graph_s is not None and llm.engine.scheduler.admission_batch > 1
+    assert llm.engine.admission.graph_s.value is not None and llm.engine.scheduler.admission_batch > 1
 
 
 def test_piecewise_eager_steps_keep_outputs_and_logits(qwen3_dir, alone):

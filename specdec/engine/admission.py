@@ -13,42 +13,61 @@ which is least at m = C * sqrt(2 E / S).  Example: C 16, E 23, S 67 -> m 13; C 6
 a target whose eager steps cost little more than graph steps (E -> 0, and the CPU, where every step is
 eager) -> m 1, admission as soon as a slot frees up.
 
-E and S are measured as the engine runs (moving averages of eager and graph step times, and of the steps
-a finished request took); until both kinds of step have been seen, m is 1.
+E and S are measured as the engine runs: medians of the last WINDOW eager steps, graph steps and finished
+requests (a median, not a mean: the first eager steps of a process carry one-off costs, a kernel's first
+build or a compile, that would otherwise hold admissions back for many steps); until each has MIN_SAMPLES
+samples, m is 1.
 """
 
 from __future__ import annotations
 
+import collections
 import math
+import statistics
+
+WINDOW = 32
+MIN_SAMPLES = 3
 
 
 class AdmissionBatcher:
-    EMA = 0.05  # weight of each new measurement
-
     def __init__(self, max_num_seqs: int):
         self.max_num_seqs = max_num_seqs
-        self.eager_s: float | None = None  # seconds per eager step
-        self.graph_s: float | None = None  # seconds per graph-replayed step
-        self.request_steps: float | None = None  # steps a request decodes for
+        self.eager_s = _Median()  # seconds per eager step
+        self.graph_s = _Median()  # seconds per graph-replayed step
+        self.request_steps = _Median()  # steps a request decodes for
+        self._batch: int | None = None  # cached until a new measurement
 
     def observe_step(self, eager: bool, seconds: float) -> None:
-        if eager:
-            self.eager_s = _average(self.eager_s, seconds, self.EMA)
-        else:
-            self.graph_s = _average(self.graph_s, seconds, self.EMA)
+        (self.eager_s if eager else self.graph_s).add(seconds)
+        self._batch = None
 
     def observe_finished(self, steps: int) -> None:
         if steps > 0:
-            self.request_steps = _average(self.request_steps, float(steps), self.EMA)
+            self.request_steps.add(float(steps))
+            self._batch = None
 
     def batch(self) -> int:
         """m: the free slots to wait for (1: admit at once)."""
-        if self.eager_s is None or self.graph_s is None or self.request_steps is None:
+        if self._batch is None:
+            self._batch = self._optimal_batch()
+        return self._batch
+
+    def _optimal_batch(self) -> int:
+        eager, graph, steps = self.eager_s.value, self.graph_s.value, self.request_steps.value
+        if eager is None or graph is None or steps is None:
             return 1
-        extra = max(0.0, self.eager_s / self.graph_s - 1.0)  # E, in graph steps
-        m = self.max_num_seqs * math.sqrt(2.0 * extra / max(1.0, self.request_steps))
+        extra = max(0.0, eager / graph - 1.0)  # E, in graph steps
+        m = self.max_num_seqs * math.sqrt(2.0 * extra / max(1.0, steps))
         return max(1, min(self.max_num_seqs, round(m)))
 
 
-def _average(old: float | None, new: float, weight: float) -> float:
-    return new if old is None else (1 - weight) * old + weight * new
+class _Median:
+    """The median of the last WINDOW samples (None before MIN_SAMPLES)."""
+
+    def __init__(self):
+        self.samples: collections.deque[float] = collections.deque(maxlen=WINDOW)
+        self.value: float | None = None
+
+    def add(self, sample: float) -> None:
+        self.samples.append(sample)
+        self.value = statistics.median(self.samples) if len(self.samples) >= MIN_SAMPLES else None
