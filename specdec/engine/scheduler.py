@@ -33,7 +33,7 @@ class ScheduledSeq:
 
 class Scheduler:
     def __init__(self, blocks: BlockManager, max_num_batched_tokens: int, max_num_seqs: int,
-                 admission_batch: int = 1, admission_max_wait: int = 16):
+                 admission_batch: int = 1, admission_max_wait: int = 64):
         self.blocks = blocks
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
