@@ -208,20 +208,19 @@ class Engine:
         for seq, rows, tokens in zip(seqs, logits, emitted):
             if self._commit(seq, rows, tokens):
                 finished.append(seq.request)
+        fed, tokens = sum(s.num_new for s in seqs), sum(len(t) for t in emitted)
         self.stats["steps"] += 1
-        self.stats["tokens_fed"] += sum(s.num_new for s in seqs)
+        self.stats["tokens_fed"] += fed
         seconds = time.perf_counter() - started  # the tokens are on the host: the step's work is done
         eager = self.runner.eager_forwards > eager_before
         if self.admission is not None:
             self.admission.observe_step(eager, seconds)
         if self.controller is not None and decoding:
-            tokens = sum(len(t) for t in emitted)
             self.controller.observe_step(decoding, self.controller.last_k, tokens, seconds)
         if self.trace is not None:
             self.trace.append(StepRecord(
-                sequences=len(seqs), fed=sum(s.num_new for s in seqs), drafts=sum(s.num_drafts for s in seqs),
-                emitted=sum(len(t) for t in emitted), k=self.controller.last_k if decoding else 0,
-                eager=eager, seconds=seconds))
+                sequences=len(seqs), fed=fed, drafts=sum(s.num_drafts for s in seqs), emitted=tokens,
+                k=self.controller.last_k if decoding else 0, eager=eager, seconds=seconds))
         return finished
 
     def set_speculator(self, speculator, controller) -> None:

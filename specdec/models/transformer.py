@@ -46,8 +46,8 @@ class Attention(nn.Module):
         """x [T, hidden] -> q [T, H, D], k [T, Hkv, D] (normed where Qwen3 norms them, rotated), v [T, Hkv, D]."""
         tokens = x.shape[0]
         q, k, v = self.project(x)
-        q = q.view(tokens, self.num_heads, self.head_dim)
-        k = k.view(tokens, self.num_kv_heads, self.head_dim)
+        q = q.view(tokens, self.num_heads, self.head_dim)  # [T, H, D]
+        k = k.view(tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
         if self.qk_norm:  # per-head RMSNorm and the rotary embedding in one pass each
             q = self.q_norm.rotate_forward(q, cos_sin)
