@@ -6,6 +6,7 @@
 #   twin         bench/twin.py: twin vs small model greedy agreement, twin vs random-weight step time (issue 11)
 #   decode       bench/decode.py: the 8B decode tables, verify cost, kernel profiles (issue 3)
 #   speculative  bench/speculative.py: the pair, draft and n-gram, concurrency 1/16/64 (issue 4)
+#   specpiece    the same with piecewise graphs for eager steps and no transformers peer
 #   specsteps    bench/spec_steps.py: batch-1 step times by k and engine memory, twin target and drafter (issues 4, 11)
 #   attnshapes   bench/attention_shapes.py: first and steady cost of attention at new shapes, cuDNN vs any-shape
 #   eager        bench/eager_steps.py: eager step cost, compiled vs plain pieces vs piecewise graphs (issue 4)
@@ -35,6 +36,7 @@ for s in $STAGES; do
     twin) stage twin 90 python3 bench/twin.py --out "$OUT/twin-h200.json" --pairs ref-target:qwen3-8b --prompts 8 --steps 10 ;;
     decode) stage decode 240 python3 bench/decode.py --out "$OUT/decode-h200.json" --steps 20 ;;
     speculative) stage speculative ${SPEC_STAGE_S:-200} python3 bench/speculative.py --out "$OUT/speculative-h200.json" $SPEC_ARGS ;;
+    specpiece) stage specpiece ${SPEC_STAGE_S:-200} python3 bench/speculative.py --out "$OUT/speculative-piecewise-h200.json" --piecewise --no-peer $SPEC_ARGS ;;
     specsteps) stage specsteps ${STEPS_STAGE_S:-150} python3 bench/spec_steps.py --out "$OUT/spec-steps-h200.json" $STEPS_ARGS ;;
     attnshapes) stage attnshapes 60 python3 bench/attention_shapes.py --out "$OUT/attention-shapes-h200.json" ;;
     eager) stage eager ${EAGER_STAGE_S:-150} python3 bench/eager_steps.py --out "$OUT/eager-steps-h200.json" ;;

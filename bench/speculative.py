@@ -85,13 +85,19 @@ def gc_timer():
 
 
 def guard_state(llm: LLM) -> dict[str, list[float]] | None:
-    """The goodput guard's view per batch bucket and arm: [tokens/s, ms per step]."""
+    """The controller's view per batch bucket and arm: the guard's [tokens/s, ms per step], then the measured
+    cost scales [target time / table, drafter time / table (or a lookup's ms)]."""
     controller = llm.engine.controller
     if controller is None or not controller.adaptive:
         return None
-    guard = controller.guard
-    return {f"b{b}-{'spec' if spec else 'plain'}": [round(rate), round(1e3 * guard.step_s[(b, spec)], 3)]
-            for (b, spec), rate in sorted(guard.rate.items())}
+    guard, costs = controller.guard, controller.costs
+    state = {}
+    for (b, spec), rate in sorted(guard.rate.items()):
+        extra = costs.draft_scale.get(b) if costs.draft_scale else 1e3 * costs.propose_s.get(b, 0.0)
+        state[f"b{b}-{'spec' if spec else 'plain'}"] = [
+            round(rate), round(1e3 * guard.step_s[(b, spec)], 3), round(costs.verify_scale.get((b, spec), 0.0), 2),
+            round(extra or 0.0, 2) if spec else None]
+    return state
 
 
 def summarize_steps(trace) -> dict[str, dict]:
@@ -168,8 +174,9 @@ def main(argv=None) -> int:
     parser.add_argument("--rounds", type=int, default=3, help="timed runs of each load per config (median kept)")
     parser.add_argument("--peer", action=argparse.BooleanOptionalAction, default=True,
                         help="also time transformers' plain and assisted generation at batch 1")
-    parser.add_argument("--piecewise", action="store_true",
-                        help="engines replay all but attention of eager steps as CUDA graphs (piecewise_graphs)")
+    parser.add_argument("--piecewise", action=argparse.BooleanOptionalAction, default=None,
+                        help="engines replay all but attention of eager steps as CUDA graphs (piecewise_graphs; "
+                             "default: the engine's, on with CUDA graphs)")
     parser.add_argument("--profile", type=int, default=0, metavar="N",
                         help="also profile each load once more and keep its N costliest functions")
     args = parser.parse_args(argv)
@@ -183,6 +190,7 @@ def main(argv=None) -> int:
         # an explicit KV size: sized from free memory, a later engine would find what earlier ones kept
         llms = {name: LLM("ref-target", device=device, speculator=CONFIGS[name], max_num_seqs=c,
                           kv_cache_tokens=32768, piecewise_graphs=args.piecewise) for name in names}
+        results["piecewise_graphs"] = next(iter(llms.values())).engine.piecewise_graphs
         for llm in llms.values():
             run_load(llm, prompts, params)  # warm-up: graph capture for every shape this load meets
         rows = time_loads(llms, prompts, params, args.rounds)

@@ -30,8 +30,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                              "also bounds the CUDA-graph shapes captured at start-up")
     parser.add_argument("--twin", default=None,
                         help="run the model as a scaled twin of a larger shape (qwen3-8b, qwen3-1.7b, qwen3-0.6b)")
-    parser.add_argument("--piecewise-graphs", action="store_true",
-                        help="on a GPU, replay all but attention of eager (prefill / mixed) steps as CUDA graphs")
+    parser.add_argument("--piecewise-graphs", action=argparse.BooleanOptionalAction, default=None,
+                        help="on a GPU, replay all but attention of eager (prefill / mixed) steps as CUDA graphs "
+                             "(default: on with CUDA graphs, off with tensor parallelism)")
     parser.add_argument("--no-fused-kernels", action="store_true",
                         help="on a GPU, run the plain PyTorch elementwise kernels instead of compiled fused ones")
     parser.add_argument("--tensor-parallel-size", type=int, default=1,
@@ -43,7 +44,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 block_size=args.block_size, max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens, twin=args.twin,
                 admission_batch=getattr(args, "admission_batch", None),
-                piecewise_graphs=getattr(args, "piecewise_graphs", False),
+                piecewise_graphs=getattr(args, "piecewise_graphs", None),
                 max_model_len=getattr(args, "max_model_len", None),
                 fused_kernels=False if getattr(args, "no_fused_kernels", False) else None,
                 tensor_parallel_size=getattr(args, "tensor_parallel_size", 1))

@@ -308,3 +308,5 @@ def test_piecewise_eager_steps_keep_outputs_and_logits(qwen3_dir, alone):
     model.tensor_parallel = (0, 2)
     with pytest.raises(ConfigError, match="tensor parallelism"):
         Engine(model, EngineConfig(kv_cache_tokens=256, piecewise_graphs=True))
+    assert Engine(model, EngineConfig(kv_cache_tokens=256)).piecewise_graphs is False  # the default: off here
+    assert LLM(qwen3_dir, device="cpu", kv_cache_tokens=256).engine.runner.piecewise is None  # CPU: no graphs

@@ -127,8 +127,12 @@ def test_cost_model_can_switch_speculation_off(qwen3_dir, drafter_dir, plain):
     llm = spec_llm(qwen3_dir, SpecConfig("draft", model=str(drafter_dir), num_draft_tokens=4, adaptive=False))
     compute_bound = StepCostTable({1: 1.0, 2: 2.0})  # every extra token costs as much as the first
     llm.engine.controller = KController(4, compute_bound, lambda b: 0.1, adaptive=True)
+    llm.engine.trace = []
     assert [o.token_ids for o in llm.generate(mixed_prompts(), GREEDY)] == plain
-    assert llm.engine.metrics()["draft_tokens"] == 0
+    decode_steps = [r for r in llm.engine.trace if r.emitted]
+    speculated = sum(r.k > 0 for r in decode_steps)
+    # the model's verdict is plain decoding; the guard's probes alone speculate, two steps in PROBE_EVERY
+    assert speculated <= len(decode_steps) * GoodputGuard.PROBE_STEPS / GoodputGuard.PROBE_EVERY + 1
 
 
 def test_controller_picks_k_by_expected_goodput():
@@ -189,6 +193,73 @@ def test_guard_counts_the_drafts_really_proposed():
     assert k == 4 and ctl.last_expected == pytest.approx(3 * expected_tokens(0.8, 4))
     ctl.drafted(ids, [0, 0, 2])
     assert ctl.last_expected == pytest.approx(2 + expected_tokens(0.8, 2))
+
+
+def test_served_step_times_correct_the_calibrated_costs():
+    """The table says a draft step costs 0.05 s; served ones take 0.3 s (sampling, host work).  The measured
+    drafter time teaches the cost model so, and k falls from 8 to where speculation still pays."""
+    ctl = KController(8, StepCostTable({1: 1.0, 4096: 1.0}), lambda b: 0.05)
+    ctl.observe_step(1, 0, 1, 1.0)  # a plain step: the target's scale is 1
+    first = ctl.choose(["a"], 0)
+    assert first == 8
+    ks = []
+    for _ in range(40):
+        k = ctl.choose(["a"], 0)
+        ks.append(k)
+        ctl.acceptance.update("a", k, int(0.8 * k)) if k else None
+        ctl.observe_step(1, k, 1 + int(0.8 * k), 1.0 + 0.3 * k, fed=k + 1, propose_seconds=0.3 * k)
+    assert ctl.costs.draft_scale[0] == pytest.approx(6.0, rel=0.05)
+    assert 0 < ks[-1] < 8
+
+
+def test_one_outlier_reading_moves_a_cost_scale_half_way():
+    costs = KController(4, StepCostTable({1: 1.0, 4096: 1.0}), None).costs
+    costs.observe(1, 0, 1, 5.0, 0.0)  # the first plain step at a new shape: 5x the table
+    assert costs.verify_scale[(0, False)] == pytest.approx(3.0)  # the prior 1 counts as one reading
+    for _ in range(20):
+        costs.observe(1, 0, 1, 1.0, 0.0)
+    assert costs.verify_scale[(0, False)] == pytest.approx(1.0, abs=0.02)
+
+
+def test_steps_that_also_prefill_teach_neither_the_costs_nor_the_guard():
+    """Their time is the prefill's whichever arm ran: counted, they made speculation look 10x slower."""
+    ctl = KController(4, StepCostTable({1: 1.0, 4096: 1.0}), lambda b: 0.0)
+    ctl.observe_step(1, 0, 1, 1.0)
+    k = ctl.choose(["a"], other_tokens=500)
+    assert k > 0
+    ctl.observe_step(1, k, 3, 30.0, fed=505)  # also switched speculation on: its catch-up is kept apart too
+    assert (0, True) not in ctl.costs.verify_scale and (0, True) not in ctl.guard.rate
+    assert 0 not in ctl.guard.switch_on_s
+    k = ctl.choose(["a"], 0)
+    ctl.observe_step(1, k, 3, 1.2, fed=k + 1)  # a decode-only step: this one counts
+    assert ctl.costs.verify_scale[(0, True)] == pytest.approx(1.1) and (0, True) in ctl.guard.rate
+
+
+def test_plain_decisions_are_reused_until_evidence_or_the_batch_changes():
+    ctl = KController(4, StepCostTable({1: 1.0, 2: 2.0}), lambda b: 0.0)  # compute-bound: plain
+    decided = []
+    decide = ctl._decide
+    ctl._decide = lambda ids, other: decided.append(len(ids)) or decide(ids, other)
+    for _ in range(KController.REDECIDE_EVERY):
+        assert ctl.choose(["a", "b"], 0) == 0
+    assert decided == [2]  # once for REDECIDE_EVERY steps
+    ctl.choose(["a", "b", "c"], 0)
+    ctl.acceptance.update("a", 4, 2)
+    ctl.choose(["a", "b", "c"], 0)
+    ctl.choose(["a", "b", "c"], 100)  # a step that also prefills: decided afresh, the cache kept
+    ctl.choose(["a", "b", "c"], 0)
+    assert decided == [2, 3, 3, 3]
+
+
+def test_the_guard_probes_speculation_where_the_cost_model_prefers_plain():
+    """Otherwise the measured costs the model learns from would never see a speculating step again."""
+    ctl = KController(4, StepCostTable({1: 1.0, 2: 2.0}), lambda b: 0.0)  # compute-bound: plain
+    ks = []
+    for _ in range(400):
+        k = ctl.choose(["a", "b"], 0)
+        ks.append(k)
+        ctl.observe_step(2, k, 2 * (1 + k // 2) if k else 2, 2.0 * (k + 1), fed=2 * (k + 1))
+    assert 0 < sum(k > 0 for k in ks) <= len(ks) * GoodputGuard.PROBE_STEPS / GoodputGuard.PROBE_EVERY
 
 
 def test_engine_tells_the_controller_what_was_drafted(qwen3_dir, plain):
@@ -395,7 +466,7 @@ def test_step_costs_are_measured_on_the_path_served_steps_take(qwen3_dir, drafte
     llm = spec_llm(qwen3_dir, SpecConfig("draft", model=str(drafter_dir), num_draft_tokens=4), static_shapes=True,
                    max_graph_batch=8, max_graph_context=256)
     controller = llm.engine.controller
-    assert controller.adaptive and controller.target_cost is not None
+    assert controller.adaptive and controller.costs is not None
     assert not spec_llm(qwen3_dir, SpecConfig("ngram", num_draft_tokens=4, adaptive=False)).engine.controller.adaptive
     batches = {"target": [], "drafter": []}
     runners = {"target": llm.engine.runner, "drafter": llm.engine.speculator.runner}

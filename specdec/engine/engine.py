@@ -41,8 +41,9 @@ class EngineConfig:
     # Once on, they stay on for the process (specdec.models.fused.Kernels is shared by every model).
     compile_graphs: str | None = None  # torch.compile backend for each fixed-shape step before capture
     # Eager steps (prefills, mixed steps) replay everything but attention as CUDA graphs per token bucket
-    # (engine/piecewise.py).  Opt-in until measured on a GPU; not with tensor parallelism.
-    piecewise_graphs: bool = False
+    # (engine/piecewise.py): 2-3x cheaper eager steps for the reference target on the H200.  None: on with
+    # CUDA graphs on a GPU, unless tensor-parallel (not supported there yet).
+    piecewise_graphs: bool | None = None
 
     def validate(self) -> None:
         if self.block_size <= 0:
@@ -84,13 +85,14 @@ class Engine:
         mc = model.config
         self.vocab_size = mc.vocab_size
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
+        self.piecewise_graphs = self._use_piecewise(model)
         step_bytes = 0
         if config.kv_cache_tokens is None and self.device.type == "cuda":  # warm up: measure the largest step
             from specdec.engine.memory import profile_step_bytes
 
             step_bytes = profile_step_bytes(model, config.max_num_batched_tokens, config.max_num_seqs,
                                             config.block_size, self.device)
-            if config.piecewise_graphs:  # the pieces' private graph pool holds a widest step's temporaries too
+            if self.piecewise_graphs:  # the pieces' private graph pool holds a widest step's temporaries too
                 step_bytes *= 2
         num_blocks = num_blocks_for(mc, config.block_size, dtype, self.device, config.kv_cache_tokens,
                                     config.gpu_memory_utilization, step_bytes)
@@ -108,6 +110,7 @@ class Engine:
         self.eos_token_ids = eos_token_ids
         self.speculator = speculator
         self.controller = None  # speculate.cost_model.KController: how many drafts this step
+        self._propose_s = 0.0  # seconds the speculator took in this step
         self.detokenize = detokenize  # ids -> text, needed for stop strings
         self.stats = {"steps": 0, "tokens_fed": 0, "tokens_emitted": 0, "drafts": 0, "draft_tokens": 0,
                       "accepted_tokens": 0, "verify_steps": 0}
@@ -126,12 +129,18 @@ class Engine:
                             max_context=self.graph_context_bound,
                             capture=self.config.cuda_graphs, compile_backend=self.config.compile_graphs)
 
-    def _piecewise_runner(self):
-        if not self.config.piecewise_graphs:
-            return None
-        if getattr(self.model, "tensor_parallel", None) is not None:
+    def _use_piecewise(self, model: CausalLM) -> bool:
+        tensor_parallel = getattr(model, "tensor_parallel", None) is not None
+        if self.config.piecewise_graphs is None:
+            return self.device.type == "cuda" and self.config.cuda_graphs and not tensor_parallel
+        if self.config.piecewise_graphs and tensor_parallel:
             raise ConfigError("piecewise_graphs does not support tensor parallelism yet: leave it off with "
                               "tensor_parallel_size > 1")
+        return self.config.piecewise_graphs
+
+    def _piecewise_runner(self):
+        if not self.piecewise_graphs:
+            return None
         from specdec.engine.piecewise import PiecewiseRunner
 
         return PiecewiseRunner(self.model, self.device, self.config.max_num_batched_tokens, self.config.cuda_graphs)
@@ -216,7 +225,7 @@ class Engine:
         if self.admission is not None:
             self.admission.observe_step(eager, seconds)
         if self.controller is not None and decoding:
-            self.controller.observe_step(decoding, self.controller.last_k, tokens, seconds)
+            self.controller.observe_step(decoding, self.controller.last_k, tokens, seconds, fed, self._propose_s)
         if self.trace is not None:
             self.trace.append(StepRecord(
                 sequences=len(seqs), fed=fed, drafts=sum(s.num_drafts for s in seqs), emitted=tokens,
@@ -261,6 +270,7 @@ class Engine:
                 break
             prefill += r.num_tokens
         k = self.controller.choose([r.request_id for r in decoding], min(prefill, budget))
+        self._propose_s = 0.0
         if not k:  # a plain step: no speculator work (a host-bound step at 64 sequences is ~1.3 ms)
             for r in decoding:
                 if r.draft_token_ids:  # drafts of a step that left this request out
@@ -268,7 +278,9 @@ class Engine:
             return len(decoding)
         ks = [max(0, min(k, r.params.max_tokens - len(r.output_token_ids) - 1,
                          self.max_model_len - r.num_tokens - 1)) for r in decoding]
-        self.speculator.propose(decoding, ks)
+        started = time.perf_counter()
+        self.speculator.propose(decoding, ks)  # drafts on the host when it returns: the time is the work's
+        self._propose_s = time.perf_counter() - started
         self.controller.drafted([r.request_id for r in decoding], [len(r.draft_token_ids) for r in decoding])
         return len(decoding)
 

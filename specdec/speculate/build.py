@@ -83,7 +83,7 @@ def _draft_speculator(config: SpecConfig, llm):
                                 static_shapes=static, max_batch=min(llm.engine.config.max_num_seqs,
                                                                     llm.engine.config.max_graph_batch),
                                 max_context=llm.engine.graph_context_bound,
-                                piecewise=llm.engine.config.piecewise_graphs,
+                                piecewise=llm.engine.piecewise_graphs,
                                 cuda_graphs=llm.engine.config.cuda_graphs)
 
 

@@ -6,11 +6,17 @@ E_r(k) = 1 + a_r + a_r^2 + ... + a_r^k tokens, a_r being its acceptance rate.  T
 the k in 0..k_max with the most tokens per second, sum_r E_r(k) / cost(k); k = 0 is plain decoding,
 so when the target is compute-bound (a busy engine) speculation switches itself off.
 
-The cost tables are measured once at start; what a step really costs also holds host overhead, the
-drafter's sampling, graph captures.  So the controller also keeps, per batch-size bucket, the measured
-tokens per second of steps that speculated and of steps that did not (exponential moving averages),
-and turns speculation off for a bucket where it measurably loses (`GoodputGuard`), probing now and
-then so that the verdict can change.
+The cost tables are measured once at start, on bare forwards; what a served step costs also holds host
+work, the drafter's sampling, the n-gram lookup.  So every decode-only step served corrects them
+(`MeasuredCosts`): per batch-size bucket, the ratio of the target's measured time to the table's (with and
+without drafts), of the drafter's measured time to k t_draft(B), and a speculator's own time when it has
+no table (a lookup, a remote drafter).  The controller also keeps, per bucket, the measured tokens per
+second of steps that speculated and of steps that did not, and turns speculation off for a bucket where
+it measurably loses (`GoodputGuard`), probing now and then so that the verdict can change.
+
+Only decode-only steps teach either: a step that also prefills costs what the prefill costs, whichever
+arm it ran (on the H200, prefill steps of 20-30 ms taught the guard that speculation ran at a tenth of
+plain decoding's rate, and it stayed off where fixed-k n-gram speculation won by 15 %).
 """
 
 from __future__ import annotations
@@ -69,6 +75,62 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+class MeasuredCosts:
+    """Seconds a decode step of B requests with k drafts each should take: the calibrated tables, corrected by
+    what served decode-only steps measured, per batch-size bucket b (GoodputGuard.bucket):
+
+        cost(B, k) = verify_scale[b, k > 0] * t_target(other + B (k + 1))
+                     + [k > 0] * (draft_scale[b] * k * t_draft(B) + propose_s[b])
+
+    verify_scale is measured step time less the speculator's, over t_target(tokens fed); draft_scale the
+    speculator's time over k t_draft(B) for a drafter with a table; propose_s the speculator's time for one
+    without (an n-gram lookup, a remote drafter).  Until measured, scales are 1 and the speculating arm's
+    verify scale is the plain arm's; the first readings are averaged with that prior (it counts as one
+    reading), later ones enter an exponential moving average (weight EMA), so that one outlier (the first step
+    at a new shape) moves a scale half way, not all the way.  Example (the reference pair at batch 1 on the H200): the table says a
+    draft step costs 0.12 ms, a served one costs 0.24 ms (sampling, host work), so draft_scale -> 2 and k
+    falls from 8 to 2-4, where speculation wins."""
+
+    EMA = 0.25
+
+    def __init__(self, target: Callable[[int], float], draft: Callable[[int], float] | None):
+        self.target = target
+        self.draft = draft or (lambda batch: 0.0)
+        self.verify_scale: dict[tuple[int, bool], float] = {}
+        self.draft_scale: dict[int, float] = {}
+        self.propose_s: dict[int, float] = {}
+        self.readings: dict[tuple[str, object], int] = {}  # (table's name, key) -> readings so far
+
+    def predict(self, batch: int, ks: list[int], other_tokens: int) -> list[float]:
+        """Seconds for each k in ks, with other_tokens of prefill sharing the step."""
+        b = GoodputGuard.bucket(batch)
+        plain_scale = self.verify_scale.get((b, False), 1.0)
+        spec_scale = self.verify_scale.get((b, True), plain_scale)
+        draft_step = self.draft_scale.get(b, 1.0) * self.draft(batch)
+        propose = self.propose_s.get(b, 0.0)
+        return [self.target(other_tokens + batch * (k + 1)) * (spec_scale if k else plain_scale)
+                + (k * draft_step + propose if k else 0.0) for k in ks]
+
+    def observe(self, batch: int, k: int, fed: int, seconds: float, propose_seconds: float) -> None:
+        """A decode-only step: `fed` tokens verified in `seconds`, of which the speculator took propose_seconds."""
+        b = GoodputGuard.bucket(batch)
+        prior = self.verify_scale.get((b, False), 1.0) if k else 1.0
+        self._mix("verify_scale", (b, k > 0), (seconds - propose_seconds) / self.target(fed), prior)
+        if k == 0:
+            return
+        predicted = k * self.draft(batch)
+        if predicted > 0:
+            self._mix("draft_scale", b, propose_seconds / predicted, 1.0)
+        else:
+            self._mix("propose_s", b, propose_seconds, propose_seconds)  # no prior for a lookup's time
+
+    def _mix(self, name: str, key, value: float, prior: float) -> None:
+        table = getattr(self, name)
+        n = self.readings[name, key] = self.readings.get((name, key), 0) + 1
+        weight = max(self.EMA, 1 / (n + 1))  # 1/2, 1/3: the mean of the prior and the readings; then EMA
+        table[key] = (1 - weight) * table.get(key, prior) + weight * value
+
+
 class AcceptanceTracker:
     """Per-request acceptance rate: accepted / tested drafts with a prior, decayed each update.
 
@@ -81,6 +143,7 @@ class AcceptanceTracker:
         self.tested: dict[str, float] = {}
         self.engine_accepted = 0.0
         self.engine_tested = 0.0
+        self.version = 0  # counts updates: a decision taken on older rates is stale
 
     def prior(self) -> float:
         if self.engine_tested >= ENGINE_EVIDENCE:
@@ -98,6 +161,7 @@ class AcceptanceTracker:
     def update(self, request_id: str, num_drafts: int, num_accepted: int) -> None:
         if num_drafts == 0:
             return
+        self.version += 1
         tested = num_accepted + (1 if num_accepted < num_drafts else 0)  # drafts whose test was run
         self.accepted[request_id] = self.accepted.get(request_id, 0.0) * DECAY + num_accepted
         self.tested[request_id] = self.tested.get(request_id, 0.0) * DECAY + tested
@@ -159,6 +223,8 @@ class GoodputGuard:
     # probes come at least 612 steps apart instead of every 16..128 steps (which cost 10-17 %).
     PROBE_BUDGET = 0.02
     MAX_AFFORDED_GAP = 4096
+    # Readings of each arm before a verdict: a single step can be an outlier (the first at a new shape).
+    MIN_READINGS = 3
 
     def __init__(self):
         self.rate: dict[tuple[int, bool], float] = {}  # (bucket, speculated) -> tokens/s
@@ -169,6 +235,7 @@ class GoodputGuard:
         self.verdict: dict[int, bool] = {}  # the preferred arm when the current probe started
         self.preferred: dict[int, bool] = {}  # the arm the rates last pointed to (the hysteresis state)
         self.switch_on_s: dict[int, float] = {}  # bucket -> seconds of a step that switches speculation on
+        self.readings: dict[tuple[int, bool], int] = {}  # (bucket, speculated) -> steps observed
 
     @staticmethod
     def bucket(batch: int) -> int:
@@ -176,21 +243,28 @@ class GoodputGuard:
 
     def update_preference(self, b: int) -> bool | None:
         """Which arm bucket b's rates now point to, through the hysteresis (stored in `preferred`); None until
-        both arms are measured."""
-        spec, plain = self.rate.get((b, True)), self.rate.get((b, False))
-        if spec is None or plain is None:
+        both arms have MIN_READINGS readings."""
+        if min(self.readings.get((b, True), 0), self.readings.get((b, False), 0)) < self.MIN_READINGS:
             return None
+        spec, plain = self.rate[(b, True)], self.rate[(b, False)]
         margin = self.KEEP_MARGIN if self.preferred.get(b, False) else self.SWITCH_ON_MARGIN
         self.preferred[b] = spec >= margin * plain
         return self.preferred[b]
 
-    def allow(self, batch: int) -> bool:
+    def allow(self, batch: int, model_prefers_spec: bool = True) -> bool:
+        """Whether this step of `batch` decoding requests may speculate.  Where the cost model itself prefers
+        plain decoding, that is the verdict, but probes still run speculation now and then: the measured
+        costs the model learns from would otherwise never see a speculating step again."""
         b = self.bucket(batch)
         step = self.steps[b] = self.steps.get(b, 0) + 1
-        prefer_spec = self.update_preference(b)
-        if prefer_spec is None:  # unmeasured: alternate until both arms have a reading
-            return self.rate.get((b, True)) is None
-        start = self.next_probe.setdefault(b, step + self.affordable_gap(b, self.PROBE_EVERY))
+        prefer_spec = self.update_preference(b) if model_prefers_spec else False
+        if prefer_spec is None:  # too few readings: measure speculation first, then plain decoding
+            return self.readings.get((b, True), 0) < self.MIN_READINGS
+        start = self.next_probe.get(b)
+        if start is None:
+            if (b, True) in self.rate and (b, False) not in self.rate:
+                return prefer_spec  # plain decoding unmeasured here: measure it before spacing the probes
+            start = self.next_probe[b] = step + self.affordable_gap(b, self.PROBE_EVERY)
         if step == start:
             self.verdict[b] = prefer_spec
         if start <= step < start + self.PROBE_STEPS:
@@ -200,6 +274,11 @@ class GoodputGuard:
             gap = min(2 * gap, self.MAX_PROBE_EVERY) if self.verdict.get(b) == prefer_spec else self.PROBE_EVERY
             self.gap[b], self.next_probe[b] = gap, step + self.affordable_gap(b, gap)
         return prefer_spec
+
+    def vetoes(self, batch: int) -> bool:
+        """Whether the verdict for this batch's bucket is plain decoding (for steps that do not count as the
+        bucket's steps: those that also prefill)."""
+        return self.preferred.get(self.bucket(batch)) is False
 
     def affordable_gap(self, b: int, gap: int) -> int:
         """gap, or more steps if a probe of the losing arm every `gap` steps would cost over PROBE_BUDGET."""
@@ -231,51 +310,71 @@ class GoodputGuard:
         old = self.rate.get(key)
         weight = self.PROBE_EMA if self.update_preference(b) not in (None, speculated) else self.EMA
         self.rate[key] = rate if old is None else (1 - weight) * old + weight * rate
+        self.readings[key] = self.readings.get(key, 0) + 1
         old = self.step_s.get(key)
         self.step_s[key] = seconds if old is None else (1 - weight) * old + weight * seconds
 
 
 class KController:
-    """Picks the number of drafts per request for the coming step."""
+    """Picks the number of drafts per request for the coming step.
+
+    A decode-only step reuses the last decision while the batch size holds and no acceptance evidence came
+    in (so while steps run plain), re-deciding every REDECIDE_EVERY steps: the decision's arithmetic (~25 us
+    warm, 140 us after a forward has flushed the CPU caches) was a tenth of a plain step at 16 requests.  A
+    step that also prefills is decided afresh (its cost depends on the prefill) and leaves the cached
+    decision be."""
+
+    REDECIDE_EVERY = 8
 
     def __init__(self, k_max: int, target_cost: Callable[[int], float] | None,
                  draft_cost: Callable[[int], float] | None, adaptive: bool = True):
         self.k_max = k_max
-        self.target_cost = target_cost
-        self.draft_cost = draft_cost or (lambda batch: 0.0)
         self.adaptive = adaptive and target_cost is not None
+        self.costs = MeasuredCosts(target_cost, draft_cost) if target_cost is not None else None
         self.acceptance = AcceptanceTracker()
         self.guard = GoodputGuard()
         self.last_k = k_max
         self.last_expected = 0.0  # tokens the acceptance estimates expect from the last chosen step
         self._speculated = False  # did the previous observed step speculate?
+        self._mixed = False  # did the step being chosen also prefill?
+        self._rates = np.zeros(0)  # [R] acceptance rates behind the step's decision
+        self._cached: tuple | None = None  # (batch, evidence version, best k, its tokens, best k > 0, its tokens,
+        #                                      rates)
+        self._cached_age = 0
         # the k values to pick from: 0, powers of two, k_max (few distinct verify shapes: few CUDA graphs)
         self._candidates = sorted({0, k_max} | {2**i for i in range(6) if 2**i < k_max})
         self._candidate_array = np.asarray(self._candidates)  # the same, for expected_tokens_sum
 
     def calibrate(self, target_cost: Callable[[int], float], draft_cost: Callable[[int], float] | None) -> None:
         """Choose k from these measured costs from now on (until then every step drafts k_max)."""
-        self.target_cost = target_cost
-        self.draft_cost = draft_cost or (lambda batch: 0.0)
+        self.costs = MeasuredCosts(target_cost, draft_cost)
         self.adaptive = True
+        self._cached = None
 
     def candidates(self) -> list[int]:
         """The k values the controller picks from: 0, powers of two, k_max (few distinct verify shapes,
         so few CUDA graphs to capture)."""
         return self._candidates
 
-    def observe_step(self, batch: int, k: int, tokens: int, seconds: float) -> None:
-        """A finished step: `batch` decoding requests at `k` drafts emitted `tokens` in `seconds`.
+    def observe_step(self, batch: int, k: int, tokens: int, seconds: float, fed: int | None = None,
+                     propose_seconds: float = 0.0) -> None:
+        """A finished step: `batch` decoding requests at `k` drafts emitted `tokens` in `seconds`, having fed
+        the target `fed` tokens (default batch (k + 1)), the speculator's work taking propose_seconds.
 
         The guard gets the measured time but, for a speculating step, the tokens the acceptance estimates
         expected (`last_expected`): a single step's accepted count swings between 1 and k + 1 per request,
-        the estimates average many drafts, and the time is what the guard is there to check."""
-        switch_on = k > 0 and not self._speculated  # includes the drafter's catch-up: not the steady rate
+        the estimates average many drafts, and the time is what the guard is there to check.  Steps that also
+        prefilled teach nothing (their cost is the prefill's), nor does the step that switches speculation on
+        (it pays the drafter's catch-up: the guard keeps that cost apart)."""
+        switch_on = k > 0 and not self._speculated
         self._speculated = k > 0
-        if self.adaptive and switch_on:
+        if not self.adaptive or self._mixed:
+            return
+        if switch_on:
             self.guard.observe_switch_on(batch, seconds)
-        elif self.adaptive:
-            self.guard.observe(batch, k > 0, self.last_expected if k > 0 else tokens, seconds)
+            return
+        self.costs.observe(batch, k, fed if fed is not None else batch * (k + 1), seconds, propose_seconds)
+        self.guard.observe(batch, k > 0, self.last_expected if k > 0 else tokens, seconds)
 
     def choose(self, request_ids: list[str], other_tokens: int) -> int:
         """k for this step, given the decoding requests and the prefill tokens sharing the step."""
@@ -285,20 +384,40 @@ class KController:
             self.last_k = self.k_max
             return self.k_max
         batch = len(request_ids)
-        ks = self.candidates()
-        expected = expected_tokens_sum(self.acceptance.rates(request_ids), self._candidate_array)  # [C]
-        best_k, best_rate, best_tokens = 0, 0.0, float(batch)
-        for k, tokens in zip(ks, expected.tolist()):
-            cost = self.target_cost(other_tokens + batch * (k + 1)) + k * self.draft_cost(batch)
-            if tokens / cost > best_rate * 1.0001:
-                best_k, best_rate, best_tokens = k, tokens / cost, tokens
-        if best_k > 0 and not self.guard.allow(batch):
-            best_k, best_tokens = 0, float(batch)
-        self.last_k = best_k
-        self.last_expected = best_tokens  # until drafted() says what was really proposed
-        return best_k
+        self._mixed = other_tokens > 0
+        if self._mixed:
+            k, tokens, _, _, self._rates = self._decide(request_ids, other_tokens)
+            if k and self.guard.vetoes(batch):
+                k, tokens = 0, float(batch)
+        else:
+            version = self.acceptance.version
+            if self._cached is None or self._cached[:2] != (batch, version) or self._cached_age >= self.REDECIDE_EVERY:
+                self._cached, self._cached_age = (batch, version, *self._decide(request_ids, 0)), 0
+            self._cached_age += 1
+            _, _, best_k, best_tokens, spec_k, spec_tokens, self._rates = self._cached
+            if self.guard.allow(batch, model_prefers_spec=best_k > 0):
+                k, tokens = spec_k, spec_tokens  # the model's choice, or a probe where it prefers plain
+            else:
+                k, tokens = 0, float(batch)
+        self.last_k = k
+        self.last_expected = tokens  # until drafted() says what was really proposed
+        return k
+
+    def _decide(self, request_ids: list[str], other_tokens: int) -> tuple[int, float, int, float, np.ndarray]:
+        """The k with the most expected tokens per predicted second and its expected tokens, the same among
+        k > 0 (what a probe runs), and the acceptance rates used."""
+        rates = self.acceptance.rates(request_ids)
+        expected = expected_tokens_sum(rates, self._candidate_array).tolist()  # [C], candidates[0] = 0
+        seconds = self.costs.predict(len(request_ids), self._candidates, other_tokens)
+        spec = 1
+        for i in range(2, len(expected)):
+            if expected[i] / seconds[i] > expected[spec] / seconds[spec] * 1.0001:
+                spec = i
+        best = spec if expected[spec] / seconds[spec] > expected[0] / seconds[0] * 1.0001 else 0
+        return self._candidates[best], expected[best], self._candidates[spec], expected[spec], rates
 
     def drafted(self, request_ids: list[str], counts: list[int]) -> None:
         """The drafts the speculator really proposed this step (an n-gram lookup often finds none): the
         expected tokens the guard is given count those, not k for every request."""
-        self.last_expected = float(expected_tokens_each(self.acceptance.rates(request_ids), np.asarray(counts)).sum())
+        rates = self._rates if len(self._rates) == len(counts) else self.acceptance.rates(request_ids)
+        self.last_expected = float(expected_tokens_each(rates, np.asarray(counts)).sum())
