@@ -138,7 +138,8 @@ def transformers_peer(device: torch.device, prompts: list[str], max_tokens: int)
 
 def time_loads(llms: dict[str, LLM], prompts: list[str], params: SamplingParams, rounds: int) -> dict[str, dict]:
     """Each engine's load `rounds` times, the engines taking turns (a drift in clocks or host load then hits
-    every config alike); each config's row is its median round by tokens/s.  One 0.2-1.5 s window per config
+    every config alike); each config's row is its median round by tokens/s, with every round's tokens/s in
+    round order (tok_s_rounds: round r of each config ran back to back).  One 0.2-1.5 s window per config
     moved plain decoding by 40 % between runs."""
     timed: dict[str, list[dict]] = {name: [] for name in llms}
     for _ in range(rounds):
@@ -146,8 +147,9 @@ def time_loads(llms: dict[str, LLM], prompts: list[str], params: SamplingParams,
             timed[name].append(run_load(llm, prompts, params))
     rows = {}
     for name, runs in timed.items():
+        in_order = [round(r["tok_s"]) for r in runs]
         runs.sort(key=lambda r: r["tok_s"])
-        rows[name] = {**runs[len(runs) // 2], "tok_s_rounds": [round(r["tok_s"]) for r in runs]}
+        rows[name] = {**runs[len(runs) // 2], "tok_s_rounds": in_order}
     return rows
 
 
@@ -201,6 +203,10 @@ def main(argv=None) -> int:
             if plain is not None and name != "plain":
                 row["identical_to_plain"] = f"{sum(a == b for a, b in zip(outputs, plain_outputs))}/{len(outputs)}"
                 row["speedup"] = row["tok_s"] / plain["tok_s"]
+                # each round against plain decoding's same round (run seconds apart): a host's drift cancels
+                ratios = sorted(a / b for a, b in zip(row["tok_s_rounds"], plain["tok_s_rounds"]))
+                row["speedup_paired"] = ratios[len(ratios) // 2]
+                row["speedup_rounds"] = [round(r, 3) for r in ratios]
             if args.profile:
                 row["profile"] = profile_load(llms[name], prompts, params, args.profile)
             row.update(config=name, concurrency=c)

@@ -212,6 +212,21 @@ def test_served_step_times_correct_the_calibrated_costs():
     assert 0 < ks[-1] < 8
 
 
+def test_verify_steps_are_priced_from_their_own_measured_shapes():
+    """A verify step of B sequences of k + 1 tokens is one captured graph: priced by its own table, not as
+    B (k + 1) tokens of the tokens-fed table (eager past the graph batch); a step that also prefills is."""
+    from specdec.speculate.cost_model import MeasuredCosts
+
+    eager_past_16 = StepCostTable({1: 1.0, 16: 1.0, 32: 5.0, 256: 8.0})
+    verify = {0: StepCostTable({1: 1.0, 16: 1.0}), 4: StepCostTable({1: 1.2, 16: 1.5})}
+    costs = MeasuredCosts(eager_past_16, None, verify)
+    assert costs.predict(16, [0, 4], 0) == pytest.approx([1.0, 1.5])
+    assert costs.predict(16, [2], 0) == pytest.approx([eager_past_16(48)])  # no table for k = 2
+    assert costs.predict(16, [4], 100) == pytest.approx([eager_past_16(180)])  # with a prefill: tokens fed
+    costs.observe(16, 4, 80, 3.0, 0.0)  # a verify step at 2x its table: the scale says so
+    assert costs.verify_scale[(GoodputGuard.bucket(16), True)] == pytest.approx((1.0 + 2.0) / 2)
+
+
 def test_one_outlier_reading_moves_a_cost_scale_half_way():
     costs = KController(4, StepCostTable({1: 1.0, 4096: 1.0}), None).costs
     costs.observe(1, 0, 1, 5.0, 0.0)  # the first plain step at a new shape: 5x the table
@@ -260,6 +275,17 @@ def test_the_guard_probes_speculation_where_the_cost_model_prefers_plain():
         ks.append(k)
         ctl.observe_step(2, k, 2 * (1 + k // 2) if k else 2, 2.0 * (k + 1), fed=2 * (k + 1))
     assert 0 < sum(k > 0 for k in ks) <= len(ks) * GoodputGuard.PROBE_STEPS / GoodputGuard.PROBE_EVERY
+
+
+def test_a_queue_that_cannot_join_does_not_count_as_prefill(qwen3_dir, plain):
+    """With every slot taken, waiting prompts cannot share the step: counted as its prefill, they made every
+    step of a loaded engine look mixed, so the controller priced them with a prefill and learned nothing."""
+    llm = spec_llm(qwen3_dir, SpecConfig("ngram", num_draft_tokens=4), max_num_seqs=1)
+    others = []
+    choose = llm.engine.controller.choose
+    llm.engine.controller.choose = lambda ids, other: others.append(other) or choose(ids, other)
+    assert [o.token_ids for o in llm.generate(mixed_prompts(), GREEDY)] == plain
+    assert others and others.count(0) >= len(others) - len(mixed_prompts())  # one mixed step per admission
 
 
 def test_engine_tells_the_controller_what_was_drafted(qwen3_dir, plain):
@@ -460,23 +486,28 @@ def test_verify_steps_with_fewer_drafts_round_up_to_a_captured_shape(qwen3_dir, 
 
 def test_step_costs_are_measured_on_the_path_served_steps_take(qwen3_dir, drafter_dir):
     """After start-up (and its CUDA-graph capture on a GPU) the controller's cost tables come from decode-shaped
-    steps through the fixed-shape runner up to its batch limit, larger ones eagerly, for target and drafter."""
+    steps through the fixed-shape runner up to its batch limit, larger ones eagerly, for target and drafter;
+    and for the target from verify-shaped steps, B sequences of k + 1 tokens for every k it may choose."""
     from specdec.speculate.build import calibrate
 
     llm = spec_llm(qwen3_dir, SpecConfig("draft", model=str(drafter_dir), num_draft_tokens=4), static_shapes=True,
-                   max_graph_batch=8, max_graph_context=256)
+                   max_graph_batch=8, max_graph_context=256, max_num_seqs=8)
     controller = llm.engine.controller
     assert controller.adaptive and controller.costs is not None
     assert not spec_llm(qwen3_dir, SpecConfig("ngram", num_draft_tokens=4, adaptive=False)).engine.controller.adaptive
-    batches = {"target": [], "drafter": []}
+    shapes = {"target": [], "drafter": []}  # (sequences, tokens fed by each) of every fixed-shape step
     runners = {"target": llm.engine.runner, "drafter": llm.engine.speculator.runner}
     for name, runner in runners.items():
         run = runner.static.run
-        runner.static.run = lambda seqs, *ids, run=run, name=name: batches[name].append(len(seqs)) or run(seqs, *ids)
+        runner.static.run = lambda seqs, *ids, run=run, name=name: shapes[name].append(
+            (len(seqs), max(s.num_new for s in seqs))) or run(seqs, *ids)
     eager = {name: runner.eager_forwards for name, runner in runners.items()}
     calibrate(controller, llm.engine, llm.engine.speculator)
-    for name, runner in runners.items():
-        assert sorted(set(batches[name])) == [1, 2, 4, 8]  # n sequences of one token, n up to the graph batch
+    assert {b for b, q in shapes["drafter"]} == {1, 2, 4, 8}  # n sequences of one token, n up to the graph batch
+    assert {q for b, q in shapes["drafter"]} == {1}
+    verify_shapes = {(b, k + 1) for k in controller.candidates() for b in (1, 2, 4, 8)}
+    assert verify_shapes <= set(shapes["target"])  # decode (k = 0) and verify steps, all fixed-shape
+    assert sorted(controller.costs.verify) == controller.candidates() == [0, 1, 2, 4]
     assert llm.engine.runner.eager_forwards > eager["target"]  # 16 tokens and more: eagerly
     assert [o.token_ids for o in llm.generate(mixed_prompts(), GREEDY)]  # the engine still serves
 

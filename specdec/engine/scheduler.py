@@ -67,18 +67,24 @@ class Scheduler:
             budget = self._admit(scheduled, budget)
         return scheduled
 
-    def _admission_due(self, scheduled: list[ScheduledSeq]) -> bool:
-        """Whether waiting requests may be admitted this step (see the module's note on coalescing)."""
+    def admission_open(self, prefills: bool) -> bool:
+        """Whether waiting requests may join a step in which running requests prefill (`prefills`: it runs
+        eagerly anyway) or not: the module's note on coalescing.  False when nobody waits or no slot is free."""
         free = self.max_num_seqs - len(self.running)
-        if not self.waiting or free == 0:  # nobody to admit, or no slot: nothing is held back
-            self.held_steps = 0
+        if not self.waiting or free == 0:
             return False
-        prefills = any(s.num_new - s.num_drafts > 1 for s in scheduled)  # the step runs eagerly anyway
-        if (not scheduled or prefills or free >= min(self.admission_batch, len(self.waiting))
-                or self.held_steps >= self.admission_max_wait):
+        return (not self.running or prefills or free >= min(self.admission_batch, len(self.waiting))
+                or self.held_steps >= self.admission_max_wait)
+
+    def _admission_due(self, scheduled: list[ScheduledSeq]) -> bool:
+        """Whether waiting requests are admitted this step (called once per step, with every running request
+        scheduled); counts the steps that held them back."""
+        prefills = any(s.num_new - s.num_drafts > 1 for s in scheduled)
+        if self.admission_open(prefills):
             self.held_steps = 0
             return True
-        self.held_steps += 1
+        held = self.waiting and len(self.running) < self.max_num_seqs  # someone could have joined
+        self.held_steps = self.held_steps + 1 if held else 0
         return False
 
     def finish(self, request: Request) -> None:

@@ -41,13 +41,15 @@ def calibrate(controller: KController, engine, spec: Speculator) -> None:
     """Measure the target's (and a drafter's) step cost through the runners served steps take (CUDA graphs
     after start-up capture: eager forwards cost several times more at small batches, which made drafting look
     far cheaper or dearer than it is) and let the controller choose k from them."""
-    target = measure_step_cost(engine.runner, engine.blocks, engine.device,
-                               min(engine.config.max_num_batched_tokens, CALIBRATION_MAX_TOKENS))
+    budget = min(engine.config.max_num_batched_tokens, CALIBRATION_MAX_TOKENS)
+    target = measure_step_cost(engine.runner, engine.blocks, engine.device, budget)
+    verify = measure_verify_cost(engine.runner, engine.blocks, engine.device, engine.config.max_num_seqs,
+                                 controller.candidates(), engine.config.max_num_batched_tokens)
     draft = None
     if spec.has_draft_model:
         draft = measure_step_cost(spec.runner, spec.blocks, spec.device,
                                   min(engine.config.max_num_seqs, CALIBRATION_MAX_TOKENS))
-    controller.calibrate(target, draft)
+    controller.calibrate(target, draft, verify)
 
 
 def _draft_speculator(config: SpecConfig, llm):
@@ -110,22 +112,46 @@ def measure_step_cost(runner: ModelRunner, blocks: BlockManager, device: torch.d
         per_seq = 1 if n <= graph_batch else min(16, n)
         return math.ceil(n / per_seq), per_seq
 
-    def fits(n: int) -> bool:
-        count, per_seq = layout(n)
-        return count * blocks.blocks_for(per_seq) <= blocks.num_free
+    sizes = [n for n in _powers_of_two(max_tokens) if _fits(blocks, *layout(n))] or [1]
+    return measure_forward_cost(lambda n: _scratch_forward(runner, blocks, *layout(n)), sizes, device)
 
-    def forward(n: int) -> None:
-        count, per_seq = layout(n)
-        held = []
-        try:
-            for _ in range(count):
-                req = Request([1] * per_seq, SamplingParams(max_tokens=1), device)
-                req.block_ids = blocks.allocate(blocks.blocks_for(per_seq)) or []
-                held.append(req)
-            runner.forward([ScheduledSeq(req, per_seq, 0, samples=True) for req in held])
-        finally:
-            for req in held:
-                blocks.release(req.block_ids)
 
-    sizes = [2**i for i in range(int(math.log2(max(1, max_tokens))) + 1)]
-    return measure_forward_cost(forward, [n for n in sizes if fits(n)] or [1], device)
+@torch.inference_mode()
+def measure_verify_cost(runner: ModelRunner, blocks: BlockManager, device: torch.device, max_batch: int,
+                        ks: list[int], max_tokens: int) -> dict[int, StepCostTable]:
+    """k -> step time against the batch B of a verify step (B sequences of k + 1 new tokens: a decode step for
+    k = 0), B = 1, 2, 4, ... up to max_batch and the token budget, through the runner as served steps go
+    (CUDA graphs after start-up capture).  The tokens-only table priced B (k + 1) verify tokens as B (k + 1)
+    decode rows, and past the graph batch as an eager forward, while a verify step of that size is one
+    captured graph: with 16 requests, every k > 0 was priced as an eager step."""
+    tables = {}
+    for k in ks:
+        sizes = [b for b in _powers_of_two(max_batch) if b * (k + 1) <= max_tokens and _fits(blocks, b, k + 1)]
+        if sizes:
+            tables[k] = measure_forward_cost(lambda b, k=k: _scratch_forward(runner, blocks, b, k + 1, drafts=k),
+                                             sizes, device)
+    return tables
+
+
+def _powers_of_two(limit: int) -> list[int]:
+    return [2**i for i in range(int(math.log2(max(1, limit))) + 1)]
+
+
+def _fits(blocks: BlockManager, count: int, per_seq: int) -> bool:
+    return count * blocks.blocks_for(per_seq) <= blocks.num_free
+
+
+def _scratch_forward(runner: ModelRunner, blocks: BlockManager, count: int, per_seq: int, drafts: int = 0) -> None:
+    """One forward of `count` scratch sequences of `per_seq` new tokens each, the last `drafts` of them drafts
+    (a verify step's shape: 1 + drafts rows scored), their blocks released after."""
+    held = []
+    try:
+        for _ in range(count):
+            req = Request([1] * (per_seq - drafts), SamplingParams(max_tokens=1), runner.device)
+            req.draft_token_ids = [1] * drafts
+            req.block_ids = blocks.allocate(blocks.blocks_for(per_seq)) or []
+            held.append(req)
+        runner.forward([ScheduledSeq(req, per_seq, drafts, samples=True) for req in held])
+    finally:
+        for req in held:
+            blocks.release(req.block_ids)

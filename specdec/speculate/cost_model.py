@@ -79,8 +79,11 @@ class MeasuredCosts:
     """Seconds a decode step of B requests with k drafts each should take: the calibrated tables, corrected by
     what served decode-only steps measured, per batch-size bucket b (GoodputGuard.bucket):
 
-        cost(B, k) = verify_scale[b, k > 0] * t_target(other + B (k + 1))
+        cost(B, k) = verify_scale[b, k > 0] * t_verify[k](B)
                      + [k > 0] * (draft_scale[b] * k * t_draft(B) + propose_s[b])
+
+    t_verify[k] is the measured verify step of B sequences of k + 1 tokens; where it is missing (k or B past
+    the calibration) and for steps that also prefill, t_target(other + B (k + 1)) over tokens fed instead.
 
     verify_scale is measured step time less the speculator's, over t_target(tokens fed); draft_scale the
     speculator's time over k t_draft(B) for a drafter with a table; propose_s the speculator's time for one
@@ -93,9 +96,11 @@ class MeasuredCosts:
 
     EMA = 0.25
 
-    def __init__(self, target: Callable[[int], float], draft: Callable[[int], float] | None):
+    def __init__(self, target: Callable[[int], float], draft: Callable[[int], float] | None,
+                 verify: dict[int, Callable[[int], float]] | None = None):
         self.target = target
         self.draft = draft or (lambda batch: 0.0)
+        self.verify = verify or {}
         self.verify_scale: dict[tuple[int, bool], float] = {}
         self.draft_scale: dict[int, float] = {}
         self.propose_s: dict[int, float] = {}
@@ -108,14 +113,22 @@ class MeasuredCosts:
         spec_scale = self.verify_scale.get((b, True), plain_scale)
         draft_step = self.draft_scale.get(b, 1.0) * self.draft(batch)
         propose = self.propose_s.get(b, 0.0)
-        return [self.target(other_tokens + batch * (k + 1)) * (spec_scale if k else plain_scale)
+        return [self.base(batch, k, other_tokens) * (spec_scale if k else plain_scale)
                 + (k * draft_step + propose if k else 0.0) for k in ks]
+
+    def base(self, batch: int, k: int, other_tokens: int = 0) -> float:
+        """The calibrated seconds of the target's part of the step, before the measured scale."""
+        table = self.verify.get(k)
+        if other_tokens == 0 and table is not None:
+            return table(batch)
+        return self.target(other_tokens + batch * (k + 1))
 
     def observe(self, batch: int, k: int, fed: int, seconds: float, propose_seconds: float) -> None:
         """A decode-only step: `fed` tokens verified in `seconds`, of which the speculator took propose_seconds."""
         b = GoodputGuard.bucket(batch)
         prior = self.verify_scale.get((b, False), 1.0) if k else 1.0
-        self._mix("verify_scale", (b, k > 0), (seconds - propose_seconds) / self.target(fed), prior)
+        base = self.base(batch, k) if k in self.verify else self.target(fed)
+        self._mix("verify_scale", (b, k > 0), (seconds - propose_seconds) / base, prior)
         if k == 0:
             return
         predicted = k * self.draft(batch)
@@ -345,9 +358,10 @@ class KController:
         self._candidates = sorted({0, k_max} | {2**i for i in range(6) if 2**i < k_max})
         self._candidate_array = np.asarray(self._candidates)  # the same, for expected_tokens_sum
 
-    def calibrate(self, target_cost: Callable[[int], float], draft_cost: Callable[[int], float] | None) -> None:
+    def calibrate(self, target_cost: Callable[[int], float], draft_cost: Callable[[int], float] | None,
+                  verify_cost: dict[int, Callable[[int], float]] | None = None) -> None:
         """Choose k from these measured costs from now on (until then every step drafts k_max)."""
-        self.costs = MeasuredCosts(target_cost, draft_cost)
+        self.costs = MeasuredCosts(target_cost, draft_cost, verify_cost)
         self.adaptive = True
         self._cached = None
 
