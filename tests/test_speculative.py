@@ -240,14 +240,29 @@ def test_steps_that_also_prefill_teach_neither_the_costs_nor_the_guard():
     """Their time is the prefill's whichever arm ran: counted, they made speculation look 10x slower."""
     ctl = KController(4, StepCostTable({1: 1.0, 4096: 1.0}), lambda b: 0.0)
     ctl.observe_step(1, 0, 1, 1.0)
+    k = ctl.choose(["a"], 0)
+    ctl.observe_step(1, k, 3, 30.0)  # switches speculation on: its catch-up is kept apart
+    assert (0, True) not in ctl.costs.verify_scale and (0, True) not in ctl.guard.rate
     k = ctl.choose(["a"], other_tokens=500)
     assert k > 0
-    ctl.observe_step(1, k, 3, 30.0, fed=505)  # also switched speculation on: its catch-up is kept apart too
+    ctl.observe_step(1, k, 3, 30.0, fed=505)  # with a prefill: not learned
     assert (0, True) not in ctl.costs.verify_scale and (0, True) not in ctl.guard.rate
-    assert 0 not in ctl.guard.switch_on_s
     k = ctl.choose(["a"], 0)
     ctl.observe_step(1, k, 3, 1.2, fed=k + 1)  # a decode-only step: this one counts
     assert ctl.costs.verify_scale[(0, True)] == pytest.approx(1.1) and (0, True) in ctl.guard.rate
+
+
+def test_a_step_that_also_prefills_never_switches_speculation_on():
+    """After plain steps, switching on pays the drafter's catch-up on every skipped token; on top of a
+    prefill that made 36 ms steps against 18 ms plain ones at 64 requests on the H200."""
+    ctl = KController(4, StepCostTable({1: 1.0, 4096: 1.0}), lambda b: 0.0)  # the model says: always draft
+    ctl.observe_step(2, 0, 2, 1.0)  # a plain step
+    assert ctl.choose(["a", "b"], other_tokens=100) == 0
+    ctl.observe_step(2, 0, 2, 1.0)
+    k = ctl.choose(["a", "b"], 0)  # a decode-only step switches it on ...
+    assert k > 0
+    ctl.observe_step(2, k, 6, 1.0)
+    assert ctl.choose(["a", "b"], other_tokens=100) > 0  # ... and then steps that also prefill keep it
 
 
 def test_plain_decisions_are_reused_until_evidence_or_the_batch_changes():
@@ -579,6 +594,38 @@ def test_ngram_draft_matches_its_brute_force_definition():
         stop = {int(rng.integers(0, 6))} if trial % 3 == 0 else set()
         assert ngram_draft(tokens, k, max_n, min_n, stop) == _ngram_reference(tokens, k, max_n, min_n, stop), \
             (tokens, k, max_n, min_n, stop)
+
+
+def test_batched_ngram_lookup_equals_one_lookup_per_context():
+    from specdec.speculate.ngram import ngram_draft_batch
+
+    rng = np.random.default_rng(2)
+    for trial in range(2000):
+        count = int(rng.integers(1, 7))
+        contexts = [rng.integers(0, int(rng.integers(2, 7)), int(rng.integers(0, 40))) for _ in range(count)]
+        ks = [int(rng.integers(0, 9)) for _ in range(count)]
+        max_n, min_n = int(rng.integers(1, 6)), int(rng.integers(1, 3))
+        stops = [{int(rng.integers(0, 6))} if rng.random() < 0.3 else set() for _ in range(count)]
+        want = [_ngram_reference(c.tolist(), k, max_n, min_n, stop) if k else []
+                for c, k, stop in zip(contexts, ks, stops)]
+        assert ngram_draft_batch(contexts, ks, max_n, min_n, stops) == want, (contexts, ks, max_n, min_n, stops)
+
+
+def test_ngram_speculator_drafts_a_batch_as_one_lookup_each_would():
+    from specdec.engine.request import Request
+    from specdec.speculate.ngram import NgramSpeculator
+
+    spec = NgramSpeculator()
+    rng = np.random.default_rng(3)
+    reqs = [Request(rng.integers(0, 6, 20).tolist(), SamplingParams(max_tokens=50), torch.device("cpu"))
+            for _ in range(2 * NgramSpeculator.BATCH_FROM)]
+    for step in range(30):
+        ks = [int(rng.integers(0, 6)) for _ in reqs]
+        spec.propose(reqs, ks)
+        assert [r.draft_token_ids for r in reqs] == [ngram_draft(r.all_token_ids, k) if k else []
+                                                     for r, k in zip(reqs, ks)]
+        for r in reqs:
+            r.output_token_ids.append(int(rng.integers(0, 6)))
 
 
 def test_ngram_speculator_keeps_each_requests_tokens_as_it_grows():

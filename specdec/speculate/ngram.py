@@ -42,6 +42,57 @@ def ngram_draft(tokens: list[int] | np.ndarray, k: int, max_n: int = 4, min_n: i
     return draft
 
 
+def ngram_draft_batch(contexts: list[np.ndarray], ks: list[int], max_n: int = 4, min_n: int = 1,
+                      stop_ids: list[set[int] | frozenset] | None = None) -> list[list[int]]:
+    """ngram_draft for every context at once: one numpy pass over all of them.
+
+    Per request, ngram_draft makes ~15 small numpy calls; at 64 requests that was 2 ms a step on the H200's
+    host, as much as the verify step itself.  Here the contexts are laid end to end (flat [N], owner [N]):
+
+        candidates  positions p, not the last of their context, whose token equals their context's last token
+        matched     for each candidate, how many tokens j = 0 .. longest - 1 back from p equal the suffix's,
+                    counting only while they do (a cumulative product) and while p - j stays in the context
+        best        per context, the candidate with the most matched tokens, the latest among equals
+                    (score = matched * N + p, its maximum per owner)
+
+    Example: contexts [a b c a b] and [x y]: the first's candidates are its position 1 (b); 2 tokens match
+    ([a b]), so the draft is what follows position 1: [c a b][:k].  The second has no candidate: [].
+    """
+    stop_ids = stop_ids or [frozenset()] * len(contexts)
+    drafts: list[list[int]] = [[] for _ in contexts]
+    lengths = np.fromiter((len(c) for c in contexts), np.int64, len(contexts))  # [R]
+    if not len(contexts) or lengths.sum() == 0:
+        return drafts
+    flat = np.concatenate(contexts).astype(np.int64, copy=False)  # [N]
+    size = len(flat)
+    starts = np.cumsum(lengths) - lengths  # [R] where each context begins in flat
+    last = starts + lengths - 1  # [R] each context's last position (starts - 1 for an empty one)
+    owner = np.repeat(np.arange(len(contexts)), lengths)  # [N]
+    longest = np.minimum(max_n, lengths - 1)  # [R] the longest suffix that can have an earlier occurrence
+    is_last = np.zeros(size, dtype=bool)
+    is_last[last[lengths > 0]] = True
+    ends = np.flatnonzero((flat == flat[last[owner]]) & ~is_last)  # [C] candidate ends of a suffix match
+    if not len(ends):
+        return drafts
+    who = owner[ends]  # [C]
+    back = np.arange(max_n)  # [n]
+    window = ends[:, None] - back  # [C, n] the candidate's tokens, going back
+    suffix = last[who][:, None] - back  # [C, n] the suffix's tokens, going back
+    inside = (window >= starts[who][:, None]) & (back < longest[who][:, None])
+    same = inside & (flat[np.maximum(window, 0)] == flat[np.maximum(suffix, 0)])
+    matched = np.cumprod(same, axis=1).sum(axis=1)  # [C]
+    best = np.full(len(contexts), -1, dtype=np.int64)
+    np.maximum.at(best, who, matched * size + ends)
+    for r in np.flatnonzero(best >= 0).tolist():
+        if ks[r] <= 0 or best[r] // size < max(1, min_n):
+            continue
+        begin = int(best[r] % size) + 1
+        draft = flat[begin:min(begin + ks[r], last[r] + 1)].tolist()
+        cut = next((i + 1 for i, t in enumerate(draft) if t in stop_ids[r]), len(draft))
+        drafts[r] = draft[:cut]
+    return drafts
+
+
 class TokenArrays:
     """Each request's tokens as a growing numpy array, appended to as the request grows (tokens of a request
     are only ever appended), so a lookup does not convert the whole context every step."""
@@ -72,11 +123,20 @@ class NgramSpeculator(Speculator):
         self.max_n, self.min_n = max_n, min_n
         self.tokens = TokenArrays()
 
+    BATCH_FROM = 4  # requests: below, one lookup each is cheaper (36 us against 69 us for one request on CPU)
+
     def propose(self, requests: list[Request], ks: list[int]) -> None:
-        for req, k in zip(requests, ks):
-            req.draft_token_ids = (ngram_draft(self.tokens.of(req), k, self.max_n, self.min_n, req.stop_ids)
-                                   if k else [])
-            req.draft_probs = None
+        asked = [(req, k) for req, k in zip(requests, ks) if k > 0]
+        contexts = [self.tokens.of(req) for req, _ in asked]
+        if len(asked) < self.BATCH_FROM:
+            drafts = [ngram_draft(c, k, self.max_n, self.min_n, req.stop_ids) for c, (req, k) in zip(contexts, asked)]
+        else:
+            drafts = ngram_draft_batch(contexts, [k for _, k in asked], self.max_n, self.min_n,
+                                       [req.stop_ids for req, _ in asked])
+        for req in requests:
+            req.draft_token_ids, req.draft_probs = [], None
+        for (req, _), draft in zip(asked, drafts):
+            req.draft_token_ids = draft
 
     def release(self, request: Request) -> None:
         self.tokens.drop(request.request_id)
