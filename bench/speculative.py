@@ -13,6 +13,7 @@ import argparse
 import contextlib
 import gc
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -205,7 +206,7 @@ def main(argv=None) -> int:
                 row["speedup"] = row["tok_s"] / plain["tok_s"]
                 # each round against plain decoding's same round (run seconds apart): a host's drift cancels
                 ratios = sorted(a / b for a, b in zip(row["tok_s_rounds"], plain["tok_s_rounds"]))
-                row["speedup_paired"] = ratios[len(ratios) // 2]
+                row["speedup_paired"] = statistics.median(ratios)
                 row["speedup_rounds"] = [round(r, 3) for r in ratios]
             if args.profile:
                 row["profile"] = profile_load(llms[name], prompts, params, args.profile)
