@@ -11,8 +11,10 @@ import torch
 
 from specdec import LLM, ConfigError, SamplingParams
 from specdec.speculate import SpecConfig
-from specdec.speculate.cost_model import (GoodputGuard, KController, StepCostTable, expected_tokens,
-                                          expected_tokens_sum)
+from specdec.speculate.acceptance import expected_tokens, expected_tokens_sum
+from specdec.speculate.controller import KController
+from specdec.speculate.guard import GoodputGuard
+from specdec.speculate.step_costs import MeasuredCosts, StepCostTable
 from specdec.speculate.ngram import ngram_draft
 from tests.checkpoints import save_tiny
 from tests.stats import chi_square_p
@@ -215,8 +217,6 @@ def test_served_step_times_correct_the_calibrated_costs():
 def test_verify_steps_are_priced_from_their_own_measured_shapes():
     """A verify step of B sequences of k + 1 tokens is one captured graph: priced by its own table, not as
     B (k + 1) tokens of the tokens-fed table (eager past the graph batch); a step that also prefills is."""
-    from specdec.speculate.cost_model import MeasuredCosts
-
     eager_past_16 = StepCostTable({1: 1.0, 16: 1.0, 32: 5.0, 256: 8.0})
     verify = {0: StepCostTable({1: 1.0, 16: 1.0}), 4: StepCostTable({1: 1.2, 16: 1.5})}
     costs = MeasuredCosts(eager_past_16, None, verify)

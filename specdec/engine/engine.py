@@ -110,7 +110,7 @@ class Engine:
                                    config.admission_batch or 1, config.admission_max_wait)
         self.eos_token_ids = eos_token_ids
         self.speculator = speculator
-        self.controller = None  # speculate.cost_model.KController: how many drafts this step
+        self.controller = None  # speculate.controller.KController: how many drafts this step
         self._propose_s = 0.0  # seconds the speculator took in this step
         self.detokenize = detokenize  # ids -> text, needed for stop strings
         self.stats = {"steps": 0, "tokens_fed": 0, "tokens_emitted": 0, "drafts": 0, "draft_tokens": 0,

@@ -107,7 +107,7 @@ def min_across_ranks(value: int) -> int:
 
 
 class RankZeroController:
-    """Wraps the draft-length controller (speculate.cost_model.KController): rank 0's choice of k, which
+    """Wraps the draft-length controller (speculate.controller.KController): rank 0's choice of k, which
     rests on its own step timings, is broadcast, so every rank drafts and verifies alike."""
 
     def __init__(self, controller):

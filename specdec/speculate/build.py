@@ -17,7 +17,8 @@ from specdec.models.loader import load_model
 from specdec.sampling import SamplingParams
 from specdec.speculate.base import Speculator
 from specdec.speculate.config import SpecConfig
-from specdec.speculate.cost_model import KController, StepCostTable, measure_forward_cost
+from specdec.speculate.controller import KController
+from specdec.speculate.step_costs import StepCostTable, measure_forward_cost
 from specdec.speculate.ngram import NgramSpeculator
 
 
