@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import time
 
 import torch
@@ -266,12 +265,10 @@ class Engine:
                 prefill += behind
             else:
                 decoding.append(r)
-        if self.scheduler.admission_open(prefills=prefill > 0):  # the queue's head joins, as slots allow
-            free = self.scheduler.max_num_seqs - len(self.scheduler.running)
-            for r in itertools.islice(self.scheduler.waiting, free):
-                if prefill >= budget:
-                    break
-                prefill += r.num_tokens
+        for r in self.scheduler.joining(prefills=prefill > 0):
+            if prefill >= budget:
+                break
+            prefill += r.num_tokens
         k = self.controller.choose([r.request_id for r in decoding], min(prefill, budget))
         self._propose_s = 0.0
         if not k:  # a plain step: no speculator work (a host-bound step at 64 sequences is ~1.3 ms)

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
+from collections.abc import Iterable
 
 from specdec.engine.kv_cache import BlockManager
 from specdec.engine.request import Request, Status
@@ -75,6 +77,12 @@ class Scheduler:
             return False
         return (not self.running or prefills or free >= min(self.admission_batch, len(self.waiting))
                 or self.held_steps >= self.admission_max_wait)
+
+    def joining(self, prefills: bool) -> Iterable[Request]:
+        """The waiting requests that would join such a step: the queue's head, as many as slots are free."""
+        if not self.admission_open(prefills):
+            return ()
+        return itertools.islice(self.waiting, self.max_num_seqs - len(self.running))
 
     def _admission_due(self, scheduled: list[ScheduledSeq]) -> bool:
         """Whether waiting requests are admitted this step (called once per step, with every running request

@@ -65,14 +65,13 @@ class MeasuredCosts:
     t_verify[k] is the measured verify step of B sequences of k + 1 tokens; where it is missing (k or B past
     the calibration) and for steps that also prefill, t_target(other + B (k + 1)) over tokens fed instead.
 
-    verify_scale is measured step time less the speculator's, over t_target(tokens fed); draft_scale the
+    verify_scale is measured step time less the speculator's, over that calibrated base; draft_scale the
     speculator's time over k t_draft(B) for a drafter with a table; propose_s the speculator's time for one
     without (an n-gram lookup, a remote drafter).  Until measured, scales are 1 and the speculating arm's
     verify scale is the plain arm's; the first readings are averaged with that prior (it counts as one
-    reading), later ones enter an exponential moving average (weight EMA), so that one outlier (the first step
-    at a new shape) moves a scale half way, not all the way.  Example (the reference pair at batch 1 on the H200): the table says a
-    draft step costs 0.12 ms, a served one costs 0.24 ms (sampling, host work), so draft_scale -> 2 and k
-    falls from 8 to 2-4, where speculation wins."""
+    reading), later ones enter an exponential moving average (weight EMA), so that one outlier (the first
+    step at a new shape) moves a scale half way, not all the way.  Example: the reference drafter's served
+    steps at batch 1 on the H200 took 2.7x its table (sampling, host work), which the table alone hid."""
 
     EMA = 0.25
 
