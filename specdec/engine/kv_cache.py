@@ -1,15 +1,19 @@
 """Paged KV cache: fixed-size blocks, reference-counted, with prefix caching by hash chain.
 
-A block's hash covers its tokens and, through its parent's hash, every token before it, so two
-prompts share cached block i only if their first (i+1) * block_size tokens are identical.  Only
-full blocks of committed tokens are ever hashed.  A freed block keeps its hash and content until it
-is handed out again (least recently freed first), so a later prompt with the same prefix reuses it.
+A block's hash covers its tokens and, through its parent's hash, every token before it.  The hash only
+finds a candidate: a hit also compares the block's stored tokens and its parent block, so two prompts
+share cached block i only if their first (i+1) * block_size tokens are identical, hash collisions or
+not.  Only full blocks of committed tokens are ever registered.  A freed block keeps its entry and
+content until it is handed out again (least recently freed first), so a later prompt with the same
+prefix reuses it.
 """
 
 from __future__ import annotations
 
+import array
 import collections
 import math
+from typing import NamedTuple
 
 import torch
 
@@ -25,14 +29,35 @@ def block_hash(parent: int | None, tokens: list[int] | tuple[int, ...]) -> int:
     return hash((parent, tuple(tokens)))
 
 
+def packed(tokens: list[int] | tuple[int, ...]) -> bytes:
+    """A block's token ids, 4 bytes each: what a prefix-cache hit compares besides the hash."""
+    return array.array("I", tokens).tobytes()
+
+
+class CachedBlock(NamedTuple):
+    """A registered block: its chain hash, its tokens (packed) and the registered block before it."""
+
+    hash: int
+    tokens: bytes
+    parent: int | None
+
+
 class BlockManager:
+    """Blocks, their reference counts and the prefix cache.
+
+    A hash only finds a candidate block: a hit also needs the block's tokens to equal the prompt's and
+    its parent to be the block matched just before, so a hash collision never serves another prompt's
+    keys/values.  A block handed out again leaves the cache with every registered block after it.
+    """
+
     def __init__(self, num_blocks: int, block_size: int):
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.ref_count = [0] * num_blocks
         self.free_blocks: collections.OrderedDict[int, None] = collections.OrderedDict.fromkeys(range(num_blocks))
-        self.hash_of: dict[int, int] = {}  # block id -> hash
+        self.cached: dict[int, CachedBlock] = {}  # block id -> what it holds
         self.block_of: dict[int, int] = {}  # hash -> block id
+        self.children: dict[int, set[int]] = {}  # block id -> registered blocks whose parent it is
         self.prefix_hits = 0  # tokens served from the prefix cache
         self.prefix_queries = 0  # prompt tokens looked up
 
@@ -48,16 +73,28 @@ class BlockManager:
         usable = (len(token_ids) - 1) // self.block_size
         blocks, hashes, parent = [], [], None
         for i in range(usable):
-            h = block_hash(parent, token_ids[i * self.block_size:(i + 1) * self.block_size])
-            block = self.block_of.get(h)
+            tokens = token_ids[i * self.block_size:(i + 1) * self.block_size]
+            h = block_hash(hashes[-1] if hashes else None, tokens)
+            block = self.lookup(h, tokens, parent)
             if block is None:
                 break
             blocks.append(block)
             hashes.append(h)
-            parent = h
+            parent = block
         self.prefix_queries += len(token_ids)
         self.prefix_hits += len(blocks) * self.block_size
         return blocks, hashes
+
+    def lookup(self, h: int, tokens: list[int], parent: int | None) -> int | None:
+        """The registered block with hash h holding `tokens` after block `parent`, or None."""
+        block = self.block_of.get(h)
+        if block is None or not self.holds(block, tokens, parent):
+            return None
+        return block
+
+    def holds(self, block: int, tokens: list[int], parent: int | None) -> bool:
+        entry = self.cached[block]
+        return entry.parent == parent and entry.tokens == packed(tokens)
 
     def acquire(self, blocks: list[int]) -> None:
         for b in blocks:
@@ -72,12 +109,28 @@ class BlockManager:
         out = []
         for _ in range(n):
             b, _ = self.free_blocks.popitem(last=False)
-            old = self.hash_of.pop(b, None)
-            if old is not None and self.block_of.get(old) == b:
-                del self.block_of[old]
+            self.forget(b)
             self.ref_count[b] = 1
             out.append(b)
         return out
+
+    def forget(self, block: int) -> None:
+        """Take a block out of the prefix cache, and with it every registered block after it (their
+        keys/values were computed after this block's tokens, which it no longer holds)."""
+        stack = [block]
+        while stack:
+            b = stack.pop()
+            entry = self.cached.pop(b, None)
+            if entry is None:
+                continue
+            if self.block_of.get(entry.hash) == b:
+                del self.block_of[entry.hash]
+            siblings = self.children.get(entry.parent)
+            if siblings is not None:  # absent when the parent left the cache first, in this same loop
+                siblings.discard(b)
+                if not siblings:
+                    del self.children[entry.parent]
+            stack.extend(self.children.pop(b, ()))
 
     def release(self, blocks: list[int]) -> None:
         """Drop one reference to each block; tail blocks are freed first so prefixes stay cached longest."""
@@ -91,14 +144,37 @@ class BlockManager:
         """Extend the hash chain `hashes` over every full block of tokens[:num_tokens] not hashed yet, and
         register each block so that later prompts with the same prefix can reuse it."""
         size = self.block_size
-        for i in range(len(hashes), num_tokens // size):
+        first, end = len(hashes), num_tokens // size
+        for i in range(first, end):
             hashes.append(block_hash(hashes[-1] if hashes else None, tokens[i * size:(i + 1) * size]))
-            self.register(block_ids[i], hashes[-1])
+        if end > first:
+            self._register_chain(tokens, block_ids, hashes, first, end)
 
-    def register(self, block: int, h: int) -> None:
-        if h not in self.block_of:
-            self.block_of[h] = block
-            self.hash_of[block] = h
+    def _register_chain(self, tokens: list[int], block_ids: list[int], hashes: list[int], first: int,
+                        end: int) -> None:
+        """Register blocks first..end-1 of a sequence behind the cached blocks that hold its earlier ones."""
+        size = self.block_size
+        start = first if first == 0 or self._cached_as(block_ids[first - 1], hashes[first - 1]) else 0
+        parent = block_ids[start - 1] if start else None
+        for i in range(start, end):
+            block_tokens = tokens[i * size:(i + 1) * size]
+            holder = self.block_of.get(hashes[i])
+            if holder is None:
+                self._register(block_ids[i], hashes[i], block_tokens, parent)
+                holder = block_ids[i]
+            elif not self.holds(holder, block_tokens, parent):
+                return  # a hash collision: this sequence's later blocks stay out of the cache
+            parent = holder
+
+    def _cached_as(self, block: int, h: int) -> bool:
+        entry = self.cached.get(block)
+        return entry is not None and entry.hash == h
+
+    def _register(self, block: int, h: int, tokens: list[int], parent: int | None) -> None:
+        self.block_of[h] = block
+        self.cached[block] = CachedBlock(h, packed(tokens), parent)
+        if parent is not None:
+            self.children.setdefault(parent, set()).add(block)
 
 
 class KVCache:
