@@ -17,6 +17,7 @@ from specdec.errors import InvalidRequestError
 from specdec.server.engine_loop import EngineLoop, EngineUnavailable
 from specdec.server.metrics import ServerMetrics
 from specdec.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, error_body
+from specdec.server.request_body import parse_request
 from specdec.server.serving import Serving
 
 log = logging.getLogger("specdec.server")
@@ -50,12 +51,12 @@ def create_app(llm, served_model_name: str | None = None, api_key: str | None = 
     _install_error_handlers(app)
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request):
-        return await serving.completions(body, request)
+    async def completions(request: Request):
+        return await serving.completions(await _parsed(request, CompletionRequest), request)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, request: Request):
-        return await serving.chat(body, request)
+    async def chat_completions(request: Request):
+        return await serving.chat(await _parsed(request, ChatCompletionRequest), request)
 
     @app.get("/v1/models")
     async def models():
@@ -74,6 +75,11 @@ def create_app(llm, served_model_name: str | None = None, api_key: str | None = 
     return app
 
 
+async def _parsed(request: Request, model):
+    """The body as `model`; an APIError (4xx) naming what was wrong otherwise (`request_body`)."""
+    return parse_request(await request.body(), request.headers.get("content-type"), model)
+
+
 def _error(status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
            code: str | None = None) -> JSONResponse:
     return JSONResponse(error_body(message, type, param, code), status_code=status)
@@ -90,19 +96,12 @@ def _install_error_handlers(app: FastAPI) -> None:
         first = message.split(" ", 1)[0]
         return _error(400, message, param=PARAMS.get(first))
 
-    @app.exception_handler(RequestValidationError)
+    @app.exception_handler(RequestValidationError)  # routes parse their own bodies; kept for any other route
     async def validation_error(_, exc: RequestValidationError):
         errors = exc.errors()
-        err = errors[0] if errors else {"type": "", "loc": (), "msg": "invalid request"}
-        if err.get("type") == "json_invalid":
-            return _error(400, f"the request body is not valid JSON: {err.get('ctx', {}).get('error', err['msg'])}")
-        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
-        param = loc[0] if loc else None
-        if param == "prompt" and err.get("type") != "missing":  # a union: pydantic names its first member
-            return _error(400, "prompt must be a string, a list of token ids (integers), or a list of strings "
-                               "or of token-id lists", param=param)
-        where = ".".join(loc) or "the request body"
-        return _error(400, f"invalid {where}: {err['msg']}", param=param)
+        loc = [str(x) for x in (errors[0].get("loc", ()) if errors else ()) if x != "body"]
+        message = errors[0].get("msg", "invalid value") if errors else "invalid request"
+        return _error(400, f"{'.'.join(loc) or 'the request'}: {message}", param=loc[0] if loc else None)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_, exc: StarletteHTTPException):

@@ -32,7 +32,7 @@ class EngineUnavailable(RuntimeError):
 class Delta:
     """What one request produced since the last event."""
 
-    index: int  # which prompt of the HTTP request
+    index: int  # which job (choice) of the HTTP request
     token_ids: list[int]
     logprobs: list[TokenLogprobs] | None
     finish_reason: str | None = None  # set on the last event of the request
@@ -116,11 +116,12 @@ class EngineLoop:
         self.commands.put(job if blocks_needed <= 0 else lambda: self.deferred.append((blocks_needed, job)))
         return await future
 
-    async def generate(self, prompts: list[list[int]], params: SamplingParams) -> Group:
-        """Queue one request per prompt (all or none); their events arrive on the group's queue."""
+    async def generate(self, jobs: list[tuple[list[int], SamplingParams]]) -> Group:
+        """Queue one request per (prompt, params) job (all or none); their events arrive on the group's queue,
+        each with its job's position as `Delta.index`."""
         group = Group(asyncio.get_running_loop())
         try:
-            await self.call(lambda: self._add(group, prompts, params))
+            await self.call(lambda: self._add(group, jobs))
         except asyncio.CancelledError:  # the client left while the requests were being queued
             self.abort(group)
             raise
@@ -214,10 +215,10 @@ class EngineLoop:
                         pool.remove(req)
                 req.finish("abort")
 
-    def _add(self, group: Group, prompts: list[list[int]], params: SamplingParams) -> None:
-        for ids in prompts:
+    def _add(self, group: Group, jobs: list[tuple[list[int], SamplingParams]]) -> None:
+        for ids, params in jobs:
             self.engine.validate_request(ids, params)
-        for index, ids in enumerate(prompts):
+        for index, (ids, params) in enumerate(jobs):
             req = self.engine.add_request(ids, params)
             group.requests.append(req)
             self.tracked.append(_Tracked(req, group, index))

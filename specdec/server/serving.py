@@ -17,6 +17,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from specdec.engine.request import TokenLogprobs
 from specdec.errors import InvalidRequestError
 from specdec.sampling import SamplingParams
+from specdec.server.choices import fit_to_context, sample_params
 from specdec.server.engine_loop import EngineLoop, Group
 from specdec.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, error_body
 
@@ -71,11 +72,13 @@ class IncrementalText:
 
 @dataclasses.dataclass
 class Choice:
-    """One prompt's generation as the HTTP side sees it."""
+    """One choice (one sample of one prompt) as the HTTP side sees it."""
 
     index: int
     prompt_ids: list[int]
     detok: IncrementalText
+    params: SamplingParams
+    sample: int = 0  # which of the prompt's n samples (usage counts the prompt with sample 0 only)
     echo_text: str = ""
     prompt_logprobs: list[TokenLogprobs] | None = None  # the first entry's logprob and top are None
     text: str = ""
@@ -112,13 +115,11 @@ class Serving:
             raise APIError(400, "max_tokens must be at least 1 (0 only with echo=true, to score the prompt)",
                            param="max_tokens")
         params = body.sampling_params(1 if score_only else 16 if max_tokens is None else max_tokens, body.logprobs)
-        choices = self._choices(prompts, params)
+        given = "max_tokens" if body.max_tokens_given and not score_only else None
+        choices = self._choices(prompts, params, body.choices_per_prompt, given)
         if body.echo:
-            for c, raw in zip(choices, raw_prompts):
-                c.echo_text = raw if isinstance(raw, str) else self._decode(c.prompt_ids)
-                if body.logprobs is not None:
-                    c.prompt_logprobs = await self.engine_loop.prompt_logprobs(c.prompt_ids, body.logprobs)
-        group = await self._start(choices, params, generate=not score_only)
+            await self._echo(choices, raw_prompts, body.choices_per_prompt, body.logprobs)
+        group = await self._start(choices, generate=not score_only)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         events = self._events(group, choices, http, poll_disconnect=not body.stream)
         with_logprobs = body.logprobs is not None
@@ -151,12 +152,13 @@ class Serving:
             raise APIError(400, "this model directory has no tokenizer.json: use /v1/completions with token ids")
         text = self.tokenizer.apply_chat_template([m.to_template() for m in body.messages])
         ids = self.tokenizer.encode(text, add_special_tokens=False)  # the template writes any BOS itself
-        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        if max_tokens is None:
-            max_tokens = max(1, self.engine.max_model_len - len(ids))
-        params = body.sampling_params(max_tokens, body.logprobs_n)
-        choices = self._choices([ids], params)
-        group = await self._start(choices, params, generate=True)
+        max_tokens = body.requested_max_tokens
+        given = None if max_tokens is None else (
+            "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens")
+        params = body.sampling_params(self.engine.max_model_len if max_tokens is None else max_tokens,
+                                      body.logprobs_n)
+        choices = self._choices([ids], params, body.choices_per_prompt, given)
+        group = await self._start(choices, generate=True)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         events = self._events(group, choices, http, poll_disconnect=not body.stream)
 
@@ -171,7 +173,8 @@ class Serving:
                         "choices": [choice]}
 
             async def stream():
-                yield chunk(choices[0], {"role": "assistant", "content": ""}, [])
+                for c in choices:
+                    yield chunk(c, {"role": "assistant", "content": ""}, [])
                 async for c, text, entries in events:
                     if text or entries or c.finish_reason:
                         yield chunk(c, {"content": text} if text else {}, entries)
@@ -189,19 +192,36 @@ class Serving:
             raise APIError(404, f"the model {model!r} does not exist: this server serves {self.model_name!r}",
                            param="model", code="model_not_found")
 
-    def _choices(self, prompts: list[list[int]], params: SamplingParams) -> list[Choice]:
-        for ids in prompts:  # all or nothing, before any work is queued
+    def _choices(self, prompts: list[list[int]], params: SamplingParams, n: int,
+                 max_tokens_param: str | None) -> list[Choice]:
+        """n choices per prompt, choice p * n + i being sample i of prompt p; all checked before any work is
+        queued.  max_tokens_param names the field when the client chose max_tokens (it must then fit)."""
+        choices = []
+        for p, ids in enumerate(prompts):
             self.engine.validate_request(ids, params)
-        return [Choice(i, ids, IncrementalText(self._decode, params.stop)) for i, ids in enumerate(prompts)]
+            name = f"prompt {p} (of {len(prompts)})" if len(prompts) > 1 else "prompt"
+            fitted = fit_to_context(params, len(ids), self.engine.max_model_len, max_tokens_param, name)
+            for i, sample in enumerate(sample_params(fitted, n)):
+                choices.append(Choice(len(choices), ids, IncrementalText(self._decode, sample.stop), sample, i))
+        return choices
 
-    async def _start(self, choices: list[Choice], params: SamplingParams, generate: bool) -> Group | None:
+    async def _echo(self, choices: list[Choice], raw_prompts: list, n: int, logprobs: int | None) -> None:
+        """The prompt in front of each choice's text; its log-probs scored once per prompt."""
+        for p, raw in enumerate(raw_prompts):
+            first = choices[p * n]
+            text = raw if isinstance(raw, str) else self._decode(first.prompt_ids)
+            scored = None if logprobs is None else await self.engine_loop.prompt_logprobs(first.prompt_ids, logprobs)
+            for c in choices[p * n:(p + 1) * n]:
+                c.echo_text, c.prompt_logprobs = text, scored
+
+    async def _start(self, choices: list[Choice], generate: bool) -> Group | None:
         group = None
         if generate:
-            group = await self.engine_loop.generate([c.prompt_ids for c in choices], params)
+            group = await self.engine_loop.generate([(c.prompt_ids, c.params) for c in choices])
         else:  # echo with max_tokens=0: the prompt is the whole answer
             for c in choices:
                 c.finish_reason = "length"
-        self.metrics.prompt_tokens.inc(sum(len(c.prompt_ids) for c in choices))
+        self.metrics.prompt_tokens.inc(_prompt_tokens(choices))
         return group
 
     async def _events(self, group: Group | None, choices: list[Choice], http: HTTPRequest,
@@ -320,8 +340,13 @@ class _EventStream(StreamingResponse):
             self.on_close()
 
 
+def _prompt_tokens(choices: list[Choice]) -> int:
+    """Each prompt counted once, however many samples it has."""
+    return sum(len(c.prompt_ids) for c in choices if c.sample == 0)
+
+
 def _usage(choices: list[Choice]) -> dict[str, int]:
-    prompt = sum(len(c.prompt_ids) for c in choices)
+    prompt = _prompt_tokens(choices)
     completion = sum(len(c.token_ids) for c in choices)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
