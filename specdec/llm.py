@@ -91,14 +91,15 @@ class LLM:
             from specdec.parallel.tensor_parallel import agreed_kv_cache_tokens
 
             config.kv_cache_tokens = agreed_kv_cache_tokens(self.model, config, self.device)
-        self.engine = Engine(self.model, config, self.eos_token_ids, None,
-                             self.tokenizer.decode if self.tokenizer else None)
+        self.engine = Engine(self.model, config, self.eos_token_ids,
+                             detokenize=self.tokenizer.decode if self.tokenizer else None)
         self.spec_config = speculator
         if speculator is not None:
             from specdec.speculate.build import build_speculator
 
-            if self.tensor_parallel is not None and speculator.method == "remote":  # answers could differ by rank
-                raise ConfigError("the remote speculator does not run under tensor parallelism: use draft or ngram")
+            if self.tensor_parallel is not None and speculator.method in ("remote", "eagle3"):
+                raise ConfigError(f"the {speculator.method} speculator does not run under tensor parallelism yet: "
+                                  "use draft or ngram")
 
             spec, controller = build_speculator(speculator, self)
             if self.tensor_parallel is not None:  # k from rank 0's timings on every rank

@@ -128,7 +128,7 @@ def test_drafter_chain_feeds_each_draft_from_the_device(qwen3_dir, drafter_dir, 
 def test_cost_model_can_switch_speculation_off(qwen3_dir, drafter_dir, plain):
     llm = spec_llm(qwen3_dir, SpecConfig("draft", model=str(drafter_dir), num_draft_tokens=4, adaptive=False))
     compute_bound = StepCostTable({1: 1.0, 2: 2.0})  # every extra token costs as much as the first
-    llm.engine.controller = KController(4, compute_bound, lambda b: 0.1, adaptive=True)
+    llm.engine.speculation.controller = KController(4, compute_bound, lambda b: 0.1, adaptive=True)
     llm.engine.trace = []
     assert [o.token_ids for o in llm.generate(mixed_prompts(), GREEDY)] == plain
     decode_steps = [r for r in llm.engine.trace if r.emitted]

@@ -76,7 +76,7 @@ class StepRecord:
 
 class Engine:
     def __init__(self, model: CausalLM, config: EngineConfig, eos_token_ids: tuple[int, ...] = (),
-                 speculator=None, detokenize=None):
+                 detokenize=None):
         config.validate()
         self.model = model
         self.config = config
@@ -108,9 +108,7 @@ class Engine:
         self.scheduler = Scheduler(self.blocks, config.max_num_batched_tokens, config.max_num_seqs,
                                    config.admission_batch or 1, config.admission_max_wait)
         self.eos_token_ids = eos_token_ids
-        self.speculator = speculator
-        self.controller = None  # speculate.controller.KController: how many drafts this step
-        self._propose_s = 0.0  # seconds the speculator took in this step
+        self.speculation = None  # speculate.speculation.Speculation: everything speculative, one object
         self.detokenize = detokenize  # ids -> text, needed for stop strings
         self.stats = {"steps": 0, "tokens_fed": 0, "tokens_emitted": 0, "drafts": 0, "draft_tokens": 0,
                       "accepted_tokens": 0, "verify_steps": 0}
@@ -202,7 +200,8 @@ class Engine:
         """Run one engine step; return the requests that finished during it."""
         started = time.perf_counter()
         eager_before = self.runner.eager_forwards
-        decoding = self._propose() if self.speculator is not None else 0
+        if self.speculation is not None:
+            self.speculation.propose(self.scheduler)
         if self.admission is not None:
             self.scheduler.admission_batch = self.admission.batch()
         seqs = self.scheduler.schedule()
@@ -212,6 +211,7 @@ class Engine:
             self._on_finished(req)
         if not seqs:
             return finished
+        starts = [s.request.num_computed for s in seqs]
         logits = self.runner.forward(seqs)  # per seq [1 + drafts, V] or empty
         emitted = sample_tokens(seqs, logits)
         for seq, rows, tokens in zip(seqs, logits, emitted):
@@ -220,20 +220,38 @@ class Engine:
         fed, tokens = sum(s.num_new for s in seqs), sum(len(t) for t in emitted)
         self.stats["steps"] += 1
         self.stats["tokens_fed"] += fed
-        seconds = time.perf_counter() - started  # the tokens are on the host: the step's work is done
+        if self.speculation is not None:
+            seconds = self.speculation.after_step(seqs, starts, self.runner, tokens, fed, started)
+        else:
+            seconds = time.perf_counter() - started  # the tokens are on the host: the step's work is done
         eager = self.runner.eager_forwards > eager_before
         if self.admission is not None:
             self.admission.observe_step(eager, seconds)
-        if self.controller is not None and decoding:
-            self.controller.observe_step(decoding, self.controller.last_k, tokens, seconds, fed, self._propose_s)
         if self.trace is not None:
             self.trace.append(StepRecord(
                 sequences=len(seqs), fed=fed, drafts=sum(s.num_drafts for s in seqs), emitted=tokens,
-                k=self.controller.last_k if decoding else 0, eager=eager, seconds=seconds))
+                k=self.speculation.last_k if self.speculation is not None else 0, eager=eager, seconds=seconds))
         return finished
 
     def set_speculator(self, speculator, controller) -> None:
-        self.speculator, self.controller = speculator, controller
+        """Speculate from now on with this speculator, k chosen by this controller (speculate/build.py).  A
+        speculator that reads the target's hidden states has the target capture them from here on."""
+        from specdec.speculate.speculation import Speculation
+
+        self.speculation = Speculation(speculator, controller, self.max_model_len,
+                                       self.config.max_num_batched_tokens)
+        if speculator.feature_layers:
+            static = self.runner.static
+            rows = max(self.config.max_num_batched_tokens, static.max_batch * static.max_q if static else 0)
+            self.model.capture_features(speculator.feature_layers, rows)
+
+    @property
+    def speculator(self):
+        return self.speculation.speculator if self.speculation is not None else None
+
+    @property
+    def controller(self):
+        return self.speculation.controller if self.speculation is not None else None
 
     def precapture_graphs(self) -> int:
         """Capture the CUDA graphs of every decode / verify shape (and the drafter's) before serving.
@@ -253,41 +271,9 @@ class Engine:
             count += drafter_static.precapture(list(range(1, self.speculator.first_feed + 1)))
         return count
 
-    def _propose(self) -> int:
-        """Drafts for every decoding request; k from the controller, capped by what may still be generated.
-
-        Returns the number of decoding requests."""
-        budget = self.config.max_num_batched_tokens
-        decoding, prefill = [], 0  # prefill: tokens of prompts that may share the step, up to its budget
-        for r in self.scheduler.running:
-            behind = r.num_tokens - r.num_computed
-            if behind > 1:
-                prefill += behind
-            else:
-                decoding.append(r)
-        for r in self.scheduler.joining(prefills=prefill > 0):
-            if prefill >= budget:
-                break
-            prefill += r.num_tokens
-        k = self.controller.choose([r.request_id for r in decoding], min(prefill, budget))
-        self._propose_s = 0.0
-        if not k:  # a plain step: no speculator work (a host-bound step at 64 sequences is ~1.3 ms)
-            for r in decoding:
-                if r.draft_token_ids:  # drafts of a step that left this request out
-                    r.draft_token_ids, r.draft_probs = [], None
-            return len(decoding)
-        ks = [max(0, min(k, r.params.max_tokens - len(r.output_token_ids) - 1,
-                         self.max_model_len - r.num_tokens - 1)) for r in decoding]
-        started = time.perf_counter()
-        self.speculator.propose(decoding, ks)  # drafts on the host when it returns: the time is the work's
-        self._propose_s = time.perf_counter() - started
-        self.controller.drafted([r.request_id for r in decoding], [len(r.draft_token_ids) for r in decoding])
-        return len(decoding)
-
     def _on_finished(self, req: Request) -> None:
-        if self.speculator is not None:
-            self.speculator.release(req)
-            self.controller.acceptance.forget(req.request_id)
+        if self.speculation is not None:
+            self.speculation.release(req)
 
     def _commit(self, seq: ScheduledSeq, rows: torch.Tensor, tokens: list[int]) -> bool:
         """Record what the step computed and produced; returns True when the request finished."""
@@ -306,8 +292,8 @@ class Engine:
         for j in range(accepted):
             req.accepted_per_position[j] += 1
         self._count_speculation(seq.num_drafts, accepted)
-        if self.controller is not None:
-            self.controller.acceptance.update(req.request_id, seq.num_drafts, accepted)
+        if self.speculation is not None:
+            self.speculation.verified(req, seq.num_drafts, accepted)
         if req.params.logprobs is not None:
             self._record_logprobs(req, rows[:len(tokens)], tokens)
         for token in tokens:
@@ -349,11 +335,11 @@ class Engine:
             "preemptions": self.scheduler.num_preemptions,
             "prefix_cache_hit_tokens": self.blocks.prefix_hits,
             "prefix_cache_query_tokens": self.blocks.prefix_queries,
-            "speculator": self.speculator.name if self.speculator else None,
-            "draft_k": self.controller.last_k if self.controller else 0,
+            "speculator": None,
+            "draft_k": 0,
             "eager_forwards": self.runner.eager_forwards,
             "admission_batch": self.scheduler.admission_batch,
-            **(self.speculator.metrics() if self.speculator else {}),
+            **(self.speculation.metrics() if self.speculation is not None else {}),
         }
 
     def _finish_reason(self, req: Request, token: int) -> str | None:

@@ -73,6 +73,7 @@ class PiecewiseRunner:
         self.positions[tokens:n].zero_()
         self._run(n, 0)
         for i, kv_cache in enumerate(kv_caches):
+            self.model.keep_feature(i, self.x[:tokens])  # the residual stream entering layer i
             attn = self.model.model.layers[i].self_attn
             self.attended[:tokens].copy_(attn.attend(self.q[:tokens], self.k[:tokens], self.v[:tokens], batch,
                                                      kv_cache))

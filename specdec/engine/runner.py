@@ -20,6 +20,13 @@ class ModelRunner:
         self.static = static  # StaticRunner for uniform decode/verify steps (CUDA graphs on GPU), or None
         self.eager_forwards = 0  # forwards that did not take the fixed-shape path (prefills, other shapes)
         self.piecewise = piecewise  # PiecewiseRunner for those (all but attention as CUDA graphs), or None
+        self.feature_rows: list[int] = []  # the last forward's row of each sequence's first fed token
+
+    def step_features(self, seq_index: int, count: int) -> torch.Tensor:
+        """[count, F] the model's captured features (CausalLM.capture_features) of the first `count` tokens
+        sequence seq_index fed in the last forward: a view, valid until the next forward."""
+        row = self.feature_rows[seq_index]
+        return self.model.features[row:row + count]
 
     @torch.inference_mode()
     def forward(self, seqs: list[ScheduledSeq], fed_ids: torch.Tensor | None = None) -> list[torch.Tensor]:
@@ -35,7 +42,9 @@ class ModelRunner:
         if fed_ids is not None and any(s.num_new != 1 for s in seqs):
             raise ValueError("fed_ids needs every sequence to feed exactly one token")
         if self.static is not None and self.static.can_run(seqs):
-            return self.static.run(seqs, fed_ids)
+            logits = self.static.run(seqs, fed_ids)
+            self.feature_rows = self.static.row_starts
+            return logits
         self.eager_forwards += 1
         ids, positions, slots, starts, ctx, logits_rows, counts = [], [], [], [0], [], [], []
         for seq in seqs:
@@ -51,6 +60,7 @@ class ModelRunner:
             n_logits = 1 + seq.num_drafts if seq.samples else 0
             logits_rows.extend(range(starts[-1] - n_logits, starts[-1]))
             counts.append(n_logits)
+        self.feature_rows = starts[:-1]
         batch = self._batch(seqs, starts, ctx, slots)
         ids = self._long(ids) if fed_ids is None else fed_ids.to(device=self.device, dtype=torch.long)
         piecewise = self.piecewise is not None and self.piecewise.fits(len(positions))
@@ -77,14 +87,26 @@ class ModelRunner:
         return torch.tensor(values, dtype=torch.long, device=self.device)
 
     def _batch(self, seqs: list[ScheduledSeq], starts, ctx, slots) -> AttentionBatch:
-        width = max(len(s.request.block_ids) for s in seqs)
-        tables = [s.request.block_ids + [0] * (width - len(s.request.block_ids)) for s in seqs]
-        return AttentionBatch(
-            query_start=self._long(starts),
-            context_lens=self._long(ctx),
-            block_tables=self._long(tables),
-            slot_mapping=self._long(slots),
-            max_query_len=max(s.num_new for s in seqs),
-            max_context_len=max(ctx),  # each query-length group pads its own keys (split_by_query_length)
-            host_lens=([b - a for a, b in zip(starts, starts[1:])], list(ctx)),
-        ).prepare(self.block_size)
+        return flat_attention_batch([s.request.block_ids for s in seqs], starts, ctx, slots, self.block_size,
+                                    self.device)
+
+
+def flat_attention_batch(block_ids: list[list[int]], starts: list[int], ctx: list[int], slots: list[int],
+                         block_size: int, device: torch.device) -> AttentionBatch:
+    """The AttentionBatch of a flat step: sequence i's queries are rows starts[i]..starts[i + 1] (starts has one
+    entry more than sequences), its context ctx[i] tokens, its keys in blocks block_ids[i]."""
+    def long(values):
+        return torch.tensor(values, dtype=torch.long, device=device)
+
+    width = max(len(b) for b in block_ids)
+    tables = [b + [0] * (width - len(b)) for b in block_ids]
+    counts = [b - a for a, b in zip(starts, starts[1:])]
+    return AttentionBatch(
+        query_start=long(starts),
+        context_lens=long(ctx),
+        block_tables=long(tables),
+        slot_mapping=long(slots),
+        max_query_len=max(counts),
+        max_context_len=max(ctx),  # each query-length group pads its own keys (split_by_query_length)
+        host_lens=(counts, list(ctx)),
+    ).prepare(block_size)

@@ -78,6 +78,7 @@ class StaticRunner:
         self.pool = torch.cuda.graph_pool_handle() if self.capture else None
         self.replays = 0
         self.shapes: set[tuple[int, int, int]] = set()  # (batch, q, context) run by precapture()
+        self.row_starts: list[int] = []  # the last step's first row of each sequence
         self.frozen = False  # after precapture(): other shapes run eagerly instead of capturing mid-serve
         self.q_ladder: list[int] = []  # the q values precapture() captured, ascending
         self._padded = self._padded_forward
@@ -119,6 +120,7 @@ class StaticRunner:
             ids = _input_views(self.inputs, batch, q, self._columns(context))[0]
             ids[:len(seqs)].copy_(fed_ids)
         logits = self._forward(batch, q, context)  # [batch * q, V]
+        self.row_starts = [i * q for i in range(len(seqs))]  # sequence i's rows: i * q ..
         # the rows the sampler reads: after the last fed token and after each draft (see ModelRunner.forward);
         # a short prefill feeds several prompt tokens but samples only after the last one
         return [logits[i * q + s.num_new - 1 - s.num_drafts:i * q + s.num_new] for i, s in enumerate(seqs)]

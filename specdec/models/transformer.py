@@ -96,6 +96,35 @@ class CausalLM(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        self.features: torch.Tensor | None = None  # [rows, F]: see capture_features
+        self._feature_columns: dict[int, list[int]] = {}  # layer id -> its column blocks in `features`
+
+    def capture_features(self, layer_ids: tuple[int, ...], max_rows: int) -> None:
+        """From now on every forward also writes, for each fed token, the residual stream entering each of
+        these layers into self.features [rows, len(layer_ids) * hidden] (row i: the step's token i, in the
+        order the forward fed them).  Layer id j counts as transformers' hidden_states[j] and vLLM's
+        auxiliary layer ids do: 0 is the embedding, j the output of layer j - 1.  A CUDA graph captured after
+        this call writes them too; the buffer holds max_rows tokens (grown by eager steps that feed more)."""
+        bad = [j for j in layer_ids if not 0 <= j < self.config.num_hidden_layers]
+        if bad:
+            raise ValueError(f"feature layer ids {bad} out of range [0, {self.config.num_hidden_layers})")
+        weight = self.model.embed_tokens.weight
+        self._feature_columns = {}
+        for column, j in enumerate(layer_ids):
+            self._feature_columns.setdefault(j, []).append(column)
+        self.features = torch.zeros(max_rows, len(layer_ids) * self.config.hidden_size, dtype=weight.dtype,
+                                    device=weight.device)
+
+    def keep_feature(self, layer: int, x: torch.Tensor) -> None:
+        """x [T, hidden], the residual stream entering `layer`: copied into self.features if it is asked for."""
+        columns = self._feature_columns.get(layer)
+        if columns is None:
+            return
+        tokens, hidden = x.shape
+        if tokens > self.features.shape[0] and not _capturing(x.device):
+            self.features = self.features.new_zeros(tokens, self.features.shape[1])
+        for c in columns:
+            self.features[:tokens, c * hidden:(c + 1) * hidden].copy_(x)
 
     def fuse_projections(self) -> bool:
         """One GEMM for q/k/v and one for gate/up in every layer (``specdec.models.fused_linear``); the
@@ -118,6 +147,7 @@ class CausalLM(nn.Module):
         attentions as a CUDA graph: embed_piece, then per layer heads -> attend -> post_attention_piece."""
         x, h, cos_sin = self.embed_piece(input_ids, positions)
         for i, kv_cache in enumerate(kv_caches):
+            self.keep_feature(i, x)
             attn = self.model.layers[i].self_attn
             x, h = self.post_attention_piece(i, x, attn.attend(*attn.heads(h, cos_sin), batch, kv_cache))
         return h
@@ -142,3 +172,7 @@ class CausalLM(nn.Module):
         if logits_index is not None:
             hidden = hidden[logits_index]
         return self.lm_head(hidden)
+
+
+def _capturing(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()

@@ -14,9 +14,14 @@ class Speculator:
 
     name = "none"
     has_draft_model = False  # whether proposing costs forward passes of a drafter (for the cost model)
+    feature_layers: tuple[int, ...] = ()  # target layers whose states observe() reads (models.transformer)
 
     def propose(self, requests: list[Request], ks: list[int]) -> None:
         raise NotImplementedError
+
+    def observe(self, seqs: list, starts: list[int], runner) -> None:
+        """After every target step, its committed sequences (engine.scheduler.ScheduledSeq; seqs[i] fed tokens
+        from position starts[i]) and the runner that holds the step's features (runner.step_features)."""
 
     def release(self, request: Request) -> None:
         """The request finished or was aborted: drop any per-request state."""

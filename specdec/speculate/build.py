@@ -30,6 +30,8 @@ def build_speculator(config: SpecConfig, llm) -> tuple[Speculator, KController]:
         spec: Speculator = NgramSpeculator(config.ngram_max, config.ngram_min)
     elif config.method == "draft":
         spec = _draft_speculator(config, llm)
+    elif config.method == "eagle3":
+        spec = _eagle3_speculator(config, llm)
     else:
         from specdec.speculate.remote import RemoteSpeculator
 
@@ -88,6 +90,20 @@ def _draft_speculator(config: SpecConfig, llm):
                                 max_context=llm.engine.graph_context_bound,
                                 piecewise=llm.engine.piecewise_graphs,
                                 cuda_graphs=llm.engine.config.cuda_graphs)
+
+
+def _eagle3_speculator(config: SpecConfig, llm):
+    from specdec.assets import resolve_model
+    from specdec.models.eagle3 import feature_layers, load_eagle3_head
+    from specdec.speculate.eagle3 import Eagle3Speculator
+
+    try:
+        head_dir = resolve_model(config.model)
+    except FileNotFoundError as exc:
+        raise ConfigError(f"draft head: {exc}") from exc
+    head = load_eagle3_head(head_dir, llm.model, llm.device, llm.model.lm_head.weight.dtype)
+    layers = feature_layers(head.config, llm.model.config.num_hidden_layers)
+    return Eagle3Speculator(head, llm.engine.blocks, llm.model.config.vocab_size, layers)
 
 
 def check_same_tokenizer(target_dir: Path, draft_dir: Path) -> None:

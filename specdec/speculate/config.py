@@ -7,14 +7,15 @@ import dataclasses
 
 from specdec.errors import ConfigError
 
-METHODS = ("draft", "ngram", "remote")
+METHODS = ("draft", "eagle3", "ngram", "remote")
 MAX_DRAFT_TOKENS = 32
 
 
 @dataclasses.dataclass
 class SpecConfig:
-    method: str  # "draft" | "ngram" | "remote"
-    model: str | None = None  # draft: the drafter's model directory (or short name, e.g. ref-draft)
+    method: str  # "draft" | "eagle3" | "ngram" | "remote"
+    model: str | None = None  # draft: the drafter's model directory (or short name, e.g. ref-draft); eagle3:
+    #                           the head's directory in the published EAGLE-3 layout (docs/EAGLE3.md)
     num_draft_tokens: int = 4  # k, the most drafts per request per step
     url: str | None = None  # remote: base URL of a /draft server
     adaptive: bool = True  # choose k per step from the cost model (0 = off when it does not pay)
@@ -36,6 +37,9 @@ class SpecConfig:
         if self.method == "draft" and not self.model:
             raise ConfigError("the draft speculator needs a drafter model: SpecConfig(method='draft', model=DIR)"
                               " / --draft-model DIR")
+        if self.method == "eagle3" and not self.model:
+            raise ConfigError("the eagle3 speculator needs a draft head: SpecConfig(method='eagle3', model=DIR)"
+                              " / --draft-model DIR (a directory in the published EAGLE-3 layout)")
         if self.method == "remote" and not self.url:
             raise ConfigError("the remote speculator needs the /draft server's URL: --draft-url URL")
         if not self.timeout_s > 0:
@@ -47,7 +51,8 @@ class SpecConfig:
 def add_spec_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("speculation")
     group.add_argument("--speculator", choices=METHODS, default=None, help="speculative decoding method (default: off)")
-    group.add_argument("--draft-model", default=None, help="drafter model directory or short name (draft)")
+    group.add_argument("--draft-model", default=None,
+                       help="drafter model directory or short name (draft); EAGLE-3 head directory (eagle3)")
     group.add_argument("--num-draft-tokens", type=int, default=4, help="k: most drafts per request per step")
     group.add_argument("--draft-url", default=None, help="base URL of a /draft server (remote)")
     group.add_argument("--fixed-k", action="store_true", help="always draft k tokens (no cost-model choice of k)")

@@ -20,9 +20,9 @@ from specdec.engine.request import Request
 from specdec.engine.runner import ModelRunner
 from specdec.engine.scheduler import ScheduledSeq
 from specdec.models.transformer import CausalLM
-from specdec.sampling import SamplingParams, processed_probs_rows
+from specdec.sampling import SamplingParams
 from specdec.speculate.base import Speculator
-from specdec.verify import sample
+from specdec.speculate.draw import draw_drafts
 
 CATCH_UP_CHUNK = 2048  # most tokens fed in one drafter forward while catching up
 # Most new tokens the chain's first forward takes: after full acceptance the last draft and the bonus, plus
@@ -192,28 +192,9 @@ class DraftModelSpeculator(Speculator):
 
     def _next_tokens(self, requests: list[Request], logits: torch.Tensor):
         """logits [B, V_draft] -> (draft tokens [B] on the device, B distributions q [1, V_target] or None for
-        greedy rows).
-
-        Greedy rows take the argmax; the others draw from their processed distribution (batched, each
-        seeded request from its shadow's generator); nothing is copied to the host."""
-        sampled = [i for i, r in enumerate(requests) if not r.params.greedy]
-        qs: list[torch.Tensor | None] = [None] * len(requests)
-        if not sampled:
-            return logits.argmax(-1), qs  # [B]
-        # an index tensor made from a host list waits for the device: none when every row samples (the usual)
-        index = None if len(sampled) == len(requests) else torch.tensor(sampled, device=logits.device)
-        q = processed_probs_rows(logits if index is None else logits[index],
-                                 [requests[i].params for i in sampled])  # [S, V_draft]
-        if q.shape[-1] < self.target_vocab:
-            q = torch.nn.functional.pad(q, (0, self.target_vocab - q.shape[-1]))
-        drawn = sample(q, [self._shadow(requests[i]).generator for i in sampled])  # [S]
-        for j, i in enumerate(sampled):
-            qs[i] = q[j:j + 1]
-        if index is None:
-            return drawn, qs
-        tokens = logits.argmax(-1)  # [B]
-        tokens[index] = drawn
-        return tokens, qs
+        greedy rows); each seeded request draws from its shadow's generator."""
+        return draw_drafts(logits, [r.params for r in requests],
+                           [self._shadow(r).generator for r in requests], self.target_vocab)
 
 
 def _common_prefix(a: list[int], b: list[int], limit: int) -> int:

@@ -1,0 +1,213 @@
+"""EAGLE-3 speculation: a one-layer head drafts a chain of k tokens from the target's own hidden states.
+
+The head's KV cache has one layer and as many blocks as the target's, and is indexed by the target's block
+tables: head position p sits in the same slot as target position p, so prefix-cache hits, preemption and
+block release need no bookkeeping of their own.
+
+After every target step (`observe`), the head reads what that forward computed.  For each request, the
+positions whose keys the step committed, p = start .. num_computed - 1, are fed to the head in one batched
+forward: the embedding of token p + 1 beside fc(the target's features at p).  The output at the last
+position predicts the request's next token, the first draft.  Example: a verify step fed x_9 and drafts d1 d2
+d3 at positions 9..12 and accepted d1 d2 (so x_10 = d1, x_11 = d2, x_12 = the corrected token); the head
+is fed positions 9, 10, 11 with tokens x_10, x_11, x_12 beside the target's features at 9, 10, 11, and its
+output at 11 predicts x_13.
+
+`propose` then draws draft 1 from that output and runs k - 1 one-token forwards, each feeding the draft just
+drawn (a device tensor: no host round trip) beside the head's own previous output, at positions
+num_tokens - 1 onwards.  Those positions are overwritten by the next `observe`, which feeds the verified
+tokens there.  The chain needs the target's blocks up to its last position; it takes them from the target's
+block manager (the verify step needs them anyway), and a request that gets none drafts one token.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specdec.engine.kv_cache import BlockManager, KVCache, slot_of
+from specdec.engine.request import Request
+from specdec.engine.runner import flat_attention_batch
+from specdec.engine.scheduler import ScheduledSeq
+from specdec.models.eagle3 import Eagle3Head
+from specdec.speculate.base import Speculator
+from specdec.speculate.draw import draw_drafts
+
+
+class HeadState:
+    """The head's view of one request: how many leading positions its KV holds, and its last output."""
+
+    def __init__(self, device: torch.device, seed: int | None):
+        self.computed = 0
+        self.last: torch.Tensor | None = None  # [1, H] the head's output at position computed - 1
+        self.generator = None
+        if seed is not None:  # a seeded request drafts reproducibly, from a stream of its own
+            self.generator = torch.Generator(device=device)
+            self.generator.manual_seed(seed ^ 0xEA61E)
+
+
+class Eagle3Speculator(Speculator):
+    name = "eagle3"
+    has_draft_model = True  # proposing costs head forwards (the cost model times one: see HeadCostRunner)
+
+    def __init__(self, head: Eagle3Head, blocks: BlockManager, target_vocab: int, feature_layers: tuple[int, ...]):
+        self.head = head
+        self.device = head.lm_head.weight.device
+        self.blocks = blocks  # the target's: the head's cache is indexed by the target's block tables
+        self.block_size = blocks.block_size
+        self.target_vocab = target_vocab
+        self.feature_layers = feature_layers
+        self.kv = KVCache(head.config.layer, blocks.num_blocks, blocks.block_size, self.device,
+                          head.lm_head.weight.dtype)
+        self.target_ids = head.target_ids()  # [V_draft]
+        self.max_positions = head.config.layer.max_position_embeddings
+        self.states: dict[str, HeadState] = {}
+        self.runner = HeadCostRunner(self)
+        self.stats = {"draft_forwards": 0, "head_tokens_observed": 0, "skipped_no_blocks": 0}
+
+    # ------------------------------------------------------------------ after the target's step
+
+    @torch.inference_mode()
+    def observe(self, seqs: list[ScheduledSeq], starts: list[int], runner) -> None:
+        """Feed the head every position the target's step committed (see the module's note)."""
+        rows, ids, feats, fed = [], [], [], []
+        for i, (seq, start) in enumerate(zip(seqs, starts)):
+            req = seq.request
+            count = req.num_computed - start
+            if req.finished or count <= 0 or start + count > self.max_positions:
+                continue
+            ids.extend(req.token_ids_between(start + 1, start + 1 + count))  # token p + 1 for position p
+            feats.append(runner.step_features(i, count))  # [count, 3 H_target]
+            rows.append((req, start, count))
+        if not rows:
+            return
+        states = self.head.project(torch.cat(feats))  # [T, H]
+        out = self._forward(torch.tensor(ids, device=self.device), states,
+                            [(r.block_ids, start, count) for r, start, count in rows])  # [T, H]
+        end = 0
+        for req, start, count in rows:
+            end += count
+            state = self._state(req)
+            state.computed, state.last = start + count, out[end - 1:end]
+        self.stats["head_tokens_observed"] += end
+
+    # ------------------------------------------------------------------ before the target's step
+
+    @torch.inference_mode()
+    def propose(self, requests: list[Request], ks: list[int]) -> None:
+        active = []
+        for req, k in zip(requests, ks):
+            req.draft_token_ids, req.draft_probs = [], None
+            state = self.states.get(req.request_id)
+            if k <= 0 or state is None or state.last is None or state.computed != req.num_tokens - 1:
+                continue  # the head has not seen this request's newest position (nothing to draft from)
+            k = min(k, self.max_positions - req.num_tokens + 1)
+            if k > 1 and not self._blocks_for_chain(req, k):
+                k = 1  # the first draft needs no head forward, so no block
+                self.stats["skipped_no_blocks"] += 1
+            if k > 0:
+                active.append((req, k))
+        if active:
+            self._chain(active)
+
+    def _chain(self, active: list[tuple[Request, int]]) -> None:
+        """Draft 1 from each request's last head output, then k - 1 forwards, all requests batched."""
+        reqs = [r for r, _ in active]
+        states = torch.cat([self.states[r.request_id].last for r in reqs])  # [B, H]
+        tokens, qs = self._draw(reqs, states)
+        drawn = [(reqs, tokens, qs)]  # per forward: its requests, their tokens [B], their q rows
+        step = list(active)
+        for i in range(1, max(k for _, k in active)):
+            kept = [j for j, (_, k) in enumerate(step) if k > i]  # rows of the previous forward still drafting
+            if len(kept) < len(step):
+                index = torch.tensor(kept, device=self.device)
+                tokens, states = tokens[index], states[index]
+                step = [step[j] for j in kept]
+            reqs = [r for r, _ in step]
+            # chain forward i feeds draft i at position num_tokens - 2 + i
+            layout = [(r.block_ids, r.num_tokens - 2 + i, 1) for r in reqs]
+            states = self._forward(tokens, states, layout)  # [B, H]
+            self.stats["draft_forwards"] += 1
+            tokens, qs = self._draw(reqs, states)
+            drawn.append((reqs, tokens, qs))
+        self._hand_out(active, drawn)
+
+    def _hand_out(self, active, drawn) -> None:
+        """Read every forward's drafts back at once (the one host sync) and give each request its chain."""
+        ids: dict[str, list[int]] = {r.request_id: [] for r, _ in active}
+        probs: dict[str, list[torch.Tensor]] = {r.request_id: [] for r, _ in active}
+        for reqs, tokens, qs in drawn:
+            for req, token, q in zip(reqs, tokens.tolist(), qs):
+                ids[req.request_id].append(token)
+                if q is not None:
+                    probs[req.request_id].append(q)
+        for req, _ in active:
+            req.draft_token_ids = ids[req.request_id]
+            if not req.params.greedy:
+                req.draft_probs = torch.cat(probs[req.request_id])  # [k, V_target]
+
+    def _draw(self, reqs: list[Request], states: torch.Tensor):
+        logits = self.head.logits(states)  # [B, V_draft]
+        return draw_drafts(logits, [r.params for r in reqs], [self._state(r).generator for r in reqs],
+                           self.target_vocab, self.target_ids)
+
+    def _blocks_for_chain(self, req: Request, k: int) -> bool:
+        """Blocks of the target's tables up to the chain's last position, num_tokens + k - 3."""
+        need = self.blocks.blocks_for(req.num_tokens + k - 2) - len(req.block_ids)
+        if need <= 0:
+            return True
+        fresh = self.blocks.allocate(need)
+        if fresh is None:
+            return False
+        req.block_ids.extend(fresh)
+        return True
+
+    # ------------------------------------------------------------------ the head's forward
+
+    def _forward(self, ids: torch.Tensor, states: torch.Tensor,
+                 layout: list[tuple[list[int], int, int]]) -> torch.Tensor:
+        """ids [T], states [T, H]; layout: per sequence (block ids, first position, tokens), rows in order
+        -> the head's outputs [T, H] (its keys/values written at those positions)."""
+        starts, ctx, positions, slots = [0], [], [], []
+        for blocks, start, count in layout:
+            starts.append(starts[-1] + count)
+            ctx.append(start + count)
+            positions.extend(range(start, start + count))
+            slots.extend(slot_of(blocks, p, self.block_size) for p in range(start, start + count))
+        batch = flat_attention_batch([b for b, _, _ in layout], starts, ctx, slots, self.block_size, self.device)
+        positions = torch.tensor(positions, dtype=torch.long, device=self.device)
+        return self.head(ids, positions, states, batch, self.kv.layers[0])
+
+    # ------------------------------------------------------------------
+
+    def _state(self, req: Request) -> HeadState:
+        if req.request_id not in self.states:
+            self.states[req.request_id] = HeadState(self.device, req.params.seed)
+        return self.states[req.request_id]
+
+    def release(self, request: Request) -> None:
+        self.states.pop(request.request_id, None)
+
+    def metrics(self) -> dict:
+        return dict(self.stats)
+
+
+class HeadCostRunner:
+    """What start-up calibration times for a drafter step (speculate/build.py measures `runner.forward` on
+    scratch sequences): one head forward of the sequences' tokens beside zero states, as a chain step runs."""
+
+    static = None
+    piecewise = None
+
+    def __init__(self, spec: Eagle3Speculator):
+        self.spec = spec
+        self.device = spec.device
+
+    def forward(self, seqs: list[ScheduledSeq], fed_ids=None) -> list[torch.Tensor]:
+        spec = self.spec
+        layout = [(s.request.block_ids, s.request.num_computed, s.num_new) for s in seqs]
+        tokens = sum(s.num_new for s in seqs)
+        ids = torch.zeros(tokens, dtype=torch.long, device=self.device)
+        states = torch.zeros(tokens, spec.head.config.layer.hidden_size, dtype=spec.head.lm_head.weight.dtype,
+                             device=self.device)
+        out = spec._forward(ids, states, layout)
+        spec.head.logits(out)
+        return []

@@ -1,0 +1,88 @@
+"""Speculation as the engine sees it: one object, called in two places per step.
+
+    before the step   propose(scheduler): the controller plans k for the decoding requests, the speculator
+                      fills their drafts
+    after the step    after_step(...): the speculator observes what the target's forward computed (the
+                      features of the layers it asked for, for every fed position: no extra forward), the
+                      controller learns the step's cost
+    per request       verified(req, drafts, accepted) when its drafts were checked, release(req) when it ends
+"""
+
+from __future__ import annotations
+
+import time
+
+from specdec.engine.request import Request
+from specdec.engine.scheduler import ScheduledSeq, Scheduler
+from specdec.speculate.base import Speculator
+
+
+class Speculation:
+    def __init__(self, speculator: Speculator, controller, max_model_len: int, step_budget: int):
+        self.speculator = speculator
+        self.controller = controller  # speculate.controller.KController (or the tensor-parallel proxy)
+        self.max_model_len = max_model_len
+        self.step_budget = step_budget  # the engine's max_num_batched_tokens
+        self.decoding = 0  # decoding requests in the step being run
+        self.propose_s = 0.0  # seconds the speculator took to propose for it
+
+    @property
+    def feature_layers(self) -> tuple[int, ...]:
+        """Target layers whose states the speculator reads after each step (CausalLM.capture_features)."""
+        return self.speculator.feature_layers
+
+    @property
+    def last_k(self) -> int:
+        return self.controller.last_k if self.decoding else 0
+
+    def propose(self, scheduler: Scheduler) -> None:
+        """Drafts for every decoding request: k from the controller, capped by what may still be generated."""
+        decoding, prefill = [], 0  # prefill: tokens of prompts that may share the step, up to its budget
+        for r in scheduler.running:
+            behind = r.num_tokens - r.num_computed
+            if behind > 1:
+                prefill += behind
+            else:
+                decoding.append(r)
+        for r in scheduler.joining(prefills=prefill > 0):
+            if prefill >= self.step_budget:
+                break
+            prefill += r.num_tokens
+        self.decoding = len(decoding)
+        k = self.controller.choose([r.request_id for r in decoding], min(prefill, self.step_budget))
+        self.propose_s = 0.0
+        if not k:  # a plain step: no speculator work (a host-bound step at 64 sequences is ~1.3 ms)
+            for r in decoding:
+                if r.draft_token_ids:  # drafts of a step that left this request out
+                    r.draft_token_ids, r.draft_probs = [], None
+            return
+        ks = [max(0, min(k, r.params.max_tokens - len(r.output_token_ids) - 1,
+                         self.max_model_len - r.num_tokens - 1)) for r in decoding]
+        started = time.perf_counter()
+        self.speculator.propose(decoding, ks)  # drafts on the host when it returns: the time is the work's
+        self.propose_s = time.perf_counter() - started
+        self.controller.drafted([r.request_id for r in decoding], [len(r.draft_token_ids) for r in decoding])
+
+    def after_step(self, seqs: list[ScheduledSeq], starts: list[int], runner, tokens: int, fed: int,
+                   started: float) -> float:
+        """The target's step is committed: the speculator observes it (starts[i] is where seqs[i]'s fed tokens
+        began; the runner holds the step's features, ModelRunner.step_features), then the controller learns
+        its cost: `tokens` emitted, `fed` tokens fed, since perf_counter() read `started`.  Returns the
+        step's seconds."""
+        self.speculator.observe(seqs, starts, runner)
+        seconds = time.perf_counter() - started
+        if self.decoding:
+            self.controller.observe_step(self.decoding, self.controller.last_k, tokens, seconds, fed,
+                                         self.propose_s)
+        return seconds
+
+    def verified(self, req: Request, num_drafts: int, accepted: int) -> None:
+        self.controller.acceptance.update(req.request_id, num_drafts, accepted)
+
+    def release(self, req: Request) -> None:
+        self.speculator.release(req)
+        self.controller.acceptance.forget(req.request_id)
+
+    def metrics(self) -> dict:
+        return {"speculator": self.speculator.name, "draft_k": self.controller.last_k,
+                **self.speculator.metrics()}

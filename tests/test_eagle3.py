@@ -1,0 +1,186 @@
+"""EAGLE-3 draft heads: lossless with random weights, fed by the verify forward, loaded in the published layout."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from specdec import LLM, ModelLoadError, SamplingParams
+from specdec.models.eagle3 import load_eagle3_head, random_head, save_eagle3_head
+from specdec.models.loader import load_model
+from specdec.speculate import SpecConfig
+from tests.stats import chi_square_p
+from tests.test_speculative import GREEDY, _exact_token2_marginal, mixed_prompts
+
+FEATURES = (0, 1, 1)  # the tiny target has 2 layers: the embedding, and the output of layer 0 twice
+
+
+def make_head_dir(path, target_dir, seed: int = 3, draft_vocab: int = 64, std: float = 0.3, **kw):
+    target = load_model(target_dir, "cpu", torch.float32)
+    head = random_head(target, seed=seed, draft_vocab=draft_vocab, std=std, feature_layers=FEATURES, **kw)
+    return save_eagle3_head(head, path)
+
+
+@pytest.fixture(scope="module")
+def head_dir(tmp_path_factory, qwen3_dir):
+    return make_head_dir(tmp_path_factory.mktemp("head"), qwen3_dir)
+
+
+@pytest.fixture(scope="module")
+def plain(llm):
+    return [o.token_ids for o in llm.generate(mixed_prompts(), GREEDY)]
+
+
+def eagle_llm(target_dir, head_dir, k: int = 4, **kw) -> LLM:
+    kw.setdefault("kv_cache_tokens", 4096)
+    kw.setdefault("block_size", 4)
+    spec = SpecConfig("eagle3", model=str(head_dir), num_draft_tokens=k, adaptive=kw.pop("adaptive", False))
+    return LLM(target_dir, device="cpu", speculator=spec, **kw)
+
+
+@pytest.mark.parametrize("k", [1, 2, 5, 8])
+def test_greedy_equals_plain_with_a_random_head(qwen3_dir, head_dir, plain, k):
+    llm = eagle_llm(qwen3_dir, head_dir, k)
+    assert [o.token_ids for o in llm.generate(mixed_prompts(), GREEDY)] == plain
+    m = llm.engine.metrics()
+    assert m["draft_tokens"] > 0 and m["accepted_tokens"] > 0  # drafts were verified, some accepted
+
+
+@pytest.mark.parametrize("piecewise,static", [(False, False), (True, False), (False, True)])
+def test_greedy_equals_plain_under_preemption_chunking_and_prefix_hits(qwen3_dir, head_dir, plain, piecewise,
+                                                                     static):
+    tight = eagle_llm(qwen3_dir, head_dir, 4, kv_cache_tokens=160, max_num_batched_tokens=24,
+                      piecewise_graphs=piecewise, static_shapes=static, max_graph_batch=8)
+    assert [o.token_ids for o in tight.generate(mixed_prompts(), GREEDY)] == plain
+    assert tight.engine.scheduler.num_preemptions > 0
+    again = tight.generate(mixed_prompts(), GREEDY)  # now with prefix-cache hits
+    assert [o.token_ids for o in again] == plain
+    assert tight.engine.blocks.prefix_hits > 0
+
+
+def test_mixed_sampling_settings_in_one_batch_keep_greedy_rows_exact(qwen3_dir, head_dir, plain):
+    llm = eagle_llm(qwen3_dir, head_dir, 3)
+    prompts = mixed_prompts()
+    params = [GREEDY if i % 2 == 0 else SamplingParams(max_tokens=30, temperature=0.8, top_p=0.9, seed=i,
+                                                        ignore_eos=True) for i in range(len(prompts))]
+    outs = llm.generate(prompts, params)
+    assert [o.token_ids for i, o in enumerate(outs) if i % 2 == 0] == plain[::2]
+    alone = llm.generate(prompts[1], params[1])[0].token_ids
+    assert outs[1].token_ids == alone  # a seeded sampled request does not depend on its batch
+
+
+def test_the_head_reads_the_verify_forward_and_adds_no_target_forward(qwen3_dir, head_dir):
+    """One target forward per engine step; the head is fed the features of exactly the committed positions."""
+    llm = eagle_llm(qwen3_dir, head_dir, 4)
+    target_forwards = []
+    forward = llm.engine.runner.forward
+    llm.engine.runner.forward = lambda seqs, *a: target_forwards.append(1) or forward(seqs, *a)
+    req = llm.engine.add_request(mixed_prompts(1)[0], SamplingParams(max_tokens=20, temperature=0,
+                                                                       ignore_eos=True))
+    steps = 0
+    while not req.finished:
+        last_start = req.num_computed
+        llm.engine.step()
+        steps += 1
+    assert len(target_forwards) == steps
+    observed = llm.engine.speculator.stats["head_tokens_observed"]
+    assert observed == last_start  # every committed position once, but the finishing step's (nothing to draft)
+
+
+def test_head_features_are_the_targets_hidden_states(qwen3_dir):
+    """The captured features equal transformers' hidden_states at the requested layers."""
+    import transformers
+
+    target = load_model(qwen3_dir, "cpu", torch.float32)
+    llm = LLM(qwen3_dir, device="cpu", kv_cache_tokens=1024, block_size=4)
+    llm.model.capture_features((0, 1, 1), 64)
+    ids = mixed_prompts(1)[0]
+    llm.engine.all_logits(ids)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(qwen3_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        states = hf(torch.tensor([ids]), output_hidden_states=True).hidden_states
+    want = torch.cat([states[0][0], states[1][0], states[1][0]], -1)
+    torch.testing.assert_close(llm.model.features[:len(ids)], want, atol=1e-4, rtol=1e-4)
+    del target
+
+
+@pytest.fixture(scope="module")
+def sampled_eagle_llm(qwen3_dir, head_dir):
+    return eagle_llm(qwen3_dir, head_dir, 2, max_num_seqs=512, kv_cache_tokens=16384)
+
+
+def _token2_counts(llm, prompt, n, **params):
+    sp = SamplingParams(max_tokens=3, temperature=1.0, ignore_eos=True, **params)
+    outs = llm.generate([prompt] * n, sp)
+    return np.bincount([o.token_ids[1] for o in outs], minlength=96), outs
+
+
+def test_sampled_tokens_follow_the_target_distribution(qwen3_dir, sampled_eagle_llm):
+    prompt = [5, 17, 30, 2, 9]
+    counts, outs = _token2_counts(sampled_eagle_llm, prompt, 4000)
+    assert sum(o.num_accepted for o in outs) > 300 and sum(o.num_drafted - o.num_accepted for o in outs) > 300
+    assert chi_square_p(counts, _exact_token2_marginal(qwen3_dir, prompt)) > 1e-3
+
+
+def test_negative_control_accept_everything_fails(qwen3_dir, sampled_eagle_llm, monkeypatch):
+    import specdec.engine.sampler as sampler
+
+    def accept_all(draft_ids, draft_probs, target_probs, generators=None):
+        bonus = torch.multinomial(target_probs[:, -1], 1)
+        return torch.cat([draft_ids, bonus], dim=1)
+
+    monkeypatch.setattr(sampler, "accept", accept_all)
+    prompt = [5, 17, 30, 2, 9]
+    counts, _ = _token2_counts(sampled_eagle_llm, prompt, 4000)
+    assert chi_square_p(counts, _exact_token2_marginal(qwen3_dir, prompt)) < 1e-6
+
+
+def test_a_head_in_the_published_layout_loads_with_its_own_names(qwen3_dir, head_dir):
+    from safetensors import safe_open
+
+    with safe_open(str(head_dir / "model.safetensors"), framework="pt") as f:
+        names = set(f.keys())
+    assert {"fc.weight", "midlayer.hidden_norm.weight", "midlayer.input_layernorm.weight",
+            "midlayer.self_attn.q_proj.weight", "midlayer.mlp.down_proj.weight", "norm.weight",
+            "lm_head.weight", "d2t", "t2d"} <= names
+    config = json.loads((head_dir / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["draft_vocab_size"] == 64
+    target = load_model(qwen3_dir, "cpu", torch.float32)
+    head = load_eagle3_head(head_dir, target, torch.device("cpu"), torch.float32)
+    assert head.d2t.dtype == torch.long and head.t2d.dtype == torch.bool and int(head.t2d.sum()) == 64
+    targets = head.target_ids()
+    assert bool(head.t2d[targets].all()) and len(set(targets.tolist())) == 64
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("target_hidden_size", 48, "target_hidden_size"),
+    ("hidden_size", 48, "fc.weight has shape"),
+    ("vocab_size", 128, "vocab_size"),
+    ("eagle_config", {"eagle_aux_hidden_state_layer_ids": [0, 1, 5]}, "eagle_aux_hidden_state_layer_ids"),
+])
+def test_a_head_that_does_not_fit_its_target_is_refused(qwen3_dir, head_dir, tmp_path, field, value, message):
+    import shutil
+
+    bad = shutil.copytree(head_dir, tmp_path / "bad")
+    config = json.loads((bad / "config.json").read_text())
+    config[field] = value
+    (bad / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match=message) as info:
+        eagle_llm(qwen3_dir, bad)
+    assert "config.json" in str(info.value)
+
+
+def test_a_head_with_a_missing_weight_is_refused(qwen3_dir, head_dir, tmp_path):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    bad = shutil.copytree(head_dir, tmp_path / "bad")
+    state = load_file(str(bad / "model.safetensors"))
+    del state["fc.weight"]
+    save_file(state, str(bad / "model.safetensors"))
+    with pytest.raises(ModelLoadError, match="fc.weight"):
+        eagle_llm(qwen3_dir, bad)
