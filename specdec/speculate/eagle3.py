@@ -68,7 +68,7 @@ class Eagle3Speculator(Speculator):
     @torch.inference_mode()
     def observe(self, seqs: list[ScheduledSeq], starts: list[int], runner) -> None:
         """Feed the head every position the target's step committed (see the module's note)."""
-        rows, ids, feats, fed = [], [], [], []
+        rows, ids, feats = [], [], []
         for i, (seq, start) in enumerate(zip(seqs, starts)):
             req = seq.request
             count = req.num_computed - start

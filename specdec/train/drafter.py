@@ -45,19 +45,14 @@ import numpy as np
 import torch
 
 from specdec.train.distill import DistillConfig, PairBatcher, acceptance_tau, distill_loss, draft_matches
+from specdec.train.checkpoint import Checkpoint, RunMismatchError, check_run_identity  # noqa: F401 (re-exported)
+from specdec.train.data import (  # noqa: F401 (re-exported)
+    SHARD_PREFIX, TOPK_SUFFIX, HeldoutOverlapError, check_overlap, generate_continuations, load_or_make_heldout,
+    load_prompt_sources, read_shards, write_topk)
 from specdec.train.lm import add_train_args, autocast, lr_factor, make_optimizer, pick_device
+from specdec.train.log import TrainLog
 
 FORMATS = ("bf16", "fp8", "int4")
-SHARD_PREFIX = "shard-"
-TOPK_SUFFIX = ".topk.npz"
-
-
-class HeldoutOverlapError(ValueError):
-    """Training prompts overlap the held-out set."""
-
-
-class RunMismatchError(ValueError):
-    """``--out`` holds a run with other data or models than asked for."""
 
 
 @dataclasses.dataclass
@@ -93,193 +88,6 @@ class DrafterRun:
                 "min_prompt": self.min_prompt, "max_prompt": self.max_prompt, "max_new_tokens": self.max_new_tokens,
                 "seed": self.train.seed, "seq_len": self.train.seq_len, "kl_weight": self.train.kl_weight,
                 **({"topk_kl": self.topk_kl} if self.topk_kl else {})}
-
-
-class TrainLog:
-    """``train_log.jsonl``: appended, one event a line; also echoed on stderr."""
-
-    def __init__(self, path: Path | None, quiet: bool = False):
-        self.path, self.quiet = path, quiet  # path None: nothing written (data-parallel ranks other than 0)
-
-    def __call__(self, event: str, **fields) -> dict:
-        row = {"time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "event": event,
-               **fields}
-        if self.path is None:
-            return row
-        with open(self.path, "a", encoding="utf-8") as fh:
-            fh.write(json.dumps(row) + "\n")
-        if not self.quiet:
-            print(f"[drafter] {event} " + " ".join(f"{k}={v}" for k, v in fields.items() if k != "detail"),
-                  file=sys.stderr, flush=True)
-        return row
-
-
-# ---------------------------------------------------------------------------------------------- prompts
-
-
-def load_prompt_sources(sources: Sequence[str], target_dir: Path, n_prompts: int, min_prompt: int,
-                        max_prompt: int, seed: int) -> tuple[list[dict], list[dict]]:
-    """(prompts ``{"id", "source", "prompt": [ids]}``, one manifest row per source)."""
-    from specdec.data.corpus import load_manifest
-    from specdec.drafting.heldout import read_jsonl
-    from specdec.tokenizer import Tokenizer
-
-    tok = Tokenizer(target_dir)
-    prompts: list[dict] = []
-    rows = []
-    for number, source in enumerate(sources):
-        path = Path(source)
-        tag = f"s{number}"
-        if path.is_dir() and (path / "manifest.json").is_file():
-            from specdec.data.bpe import load_tokenizer
-            from specdec.train.distill import sample_prompts
-            from specdec.train.lm import load_corpus_tokens
-
-            docs = load_corpus_tokens(path, load_tokenizer(target_dir), "train", progress=False)
-            picked = sample_prompts(docs, n_prompts, min_prompt, max_prompt, seed + number)
-            items = [[int(t) for t in p] for p in picked]
-            manifest = load_manifest(path)
-            how = (f"prefixes ({min_prompt}-{max_prompt} tokens, seed {seed + number}) of documents of the train "
-                   f"split of the corpus built by `{manifest.get('command', 'specdec train corpus')}`")
-            kind, split = "corpus", "train (split by package; the corpus's held-out packages are not read)"
-        elif path.is_file():
-            items = [tok.encode(r["prompt"], add_special_tokens=False) if isinstance(r["prompt"], str)
-                     else list(r["prompt"]) for r in read_jsonl(path)]
-            how = "JSON-lines prompt file given on the command line, all of its prompts"
-            kind, split = "jsonl", "train"
-        else:
-            raise FileNotFoundError(f"prompt source {source}: neither a corpus directory nor a JSON-lines file")
-        items = [p for p in items if p]
-        prompts.extend({"id": f"{tag}-{i:06d}", "source": str(path), "prompt": p} for i, p in enumerate(items))
-        rows.append({"source": str(path), "kind": kind, "split": split, "prompts": len(items), "how": how})
-    return prompts, rows
-
-
-def check_overlap(prompts: Sequence[dict], heldout: Sequence[dict], drop: bool = False) -> list[dict]:
-    """The training prompts, checked against the held-out set: a prompt that equals a held-out prompt or is
-    a prefix of it or extends it (the same document's opening) raises ``HeldoutOverlapError`` (with
-    ``drop``: is left out instead)."""
-    key_len = 16
-    by_key: dict[tuple, list[list[int]]] = {}
-    for row in heldout:
-        by_key.setdefault(tuple(row["prompt"][:key_len]), []).append(list(row["prompt"]))
-    clashes = []
-    for p in prompts:
-        ids = list(p["prompt"])
-        for h in by_key.get(tuple(ids[:key_len]), []):
-            n = min(len(ids), len(h))
-            if ids[:n] == h[:n]:
-                clashes.append(p["id"])
-                break
-    if clashes and drop:
-        return [p for p in prompts if p["id"] not in set(clashes)]
-    if clashes:
-        raise HeldoutOverlapError(f"{len(clashes)} training prompt(s) overlap the held-out set (equal to, or a "
-                                  f"prefix of / extending, a held-out prompt), e.g. {clashes[:5]}: the held-out "
-                                  "set is never trained on; remove them from the prompt sources (or pass "
-                                  "--drop-overlap)")
-    return list(prompts)
-
-
-def load_or_make_heldout(run: DrafterRun, llm_factory, log: TrainLog) -> tuple[list[dict], dict]:
-    """The held-out conversations and how they were obtained (made by the engine when only prompts are given)."""
-    from specdec.assets import heldout_prompts_path
-    from specdec.data.corpus import write_jsonl
-    from specdec.drafting.heldout import load_heldout, make_heldout, read_jsonl
-    from specdec.models.provenance import file_sha256
-
-    source = Path(run.heldout) if run.heldout else heldout_prompts_path()
-    rows = read_jsonl(source)[:run.heldout_limit]
-    cached = Path(run.out) / "heldout.jsonl"
-    if rows and all("continuation" in r for r in rows):
-        conversations = load_heldout(source, run.heldout_limit)
-        how = "given: a held-out set with the target's continuations (`specdec draft heldout`)"
-    elif cached.is_file():
-        conversations = load_heldout(cached)
-        how = f"the target's greedy continuations (engine, max {run.heldout_max_tokens} tokens) of {source}, cached"
-    else:
-        conversations = make_heldout(llm_factory(), rows, run.heldout_max_tokens, use_tqdm=False)
-        write_jsonl(cached, conversations)
-        how = f"the target's greedy continuations (engine, max {run.heldout_max_tokens} tokens) of {source}"
-        log("heldout", conversations=len(conversations), path=str(cached))
-    info = {"source": str(source), "sha256": file_sha256(source), "conversations": len(conversations),
-            "tokens": sum(len(c["continuation"]) for c in conversations), "how": how}
-    return conversations, info
-
-
-# ---------------------------------------------------------------------------------------------- continuations
-
-
-def read_shards(cache_dir: Path, topk: int = 0) -> list[dict]:
-    """The cached records; with ``topk``, each record of a shard that has its ``.topk.npz`` with K = ``topk``
-    also gets ``top_ids`` (int32) and ``top_logprobs`` (float16), arrays ``[len(continuation), K]``."""
-    from specdec.drafting.heldout import read_jsonl
-
-    records: list[dict] = []
-    for shard in sorted(cache_dir.glob(f"{SHARD_PREFIX}*.jsonl")):
-        rows = read_jsonl(shard)
-        top = shard.with_suffix(TOPK_SUFFIX)
-        if topk and top.is_file():
-            with np.load(top) as arrays:
-                if arrays["ids"].shape[1] == topk:
-                    bounds = arrays["offsets"]
-                    for n, row in enumerate(rows):
-                        row["top_ids"] = arrays["ids"][bounds[n]:bounds[n + 1]]
-                        row["top_logprobs"] = arrays["logprobs"][bounds[n]:bounds[n + 1]]
-        records.extend(rows)
-    return records
-
-
-def write_topk(path: Path, completions) -> None:
-    """The target's top-K of each continuation token of ``completions`` (engine ``Completion`` with
-    ``logprobs``), concatenated: ``ids`` int32 and ``logprobs`` float16 ``[tokens, K]``, ``offsets`` per
-    completion ``[n + 1]``; written atomically."""
-    tops = [step.top for c in completions for step in c.logprobs]
-    lengths = [len(c.logprobs) for c in completions]
-    if lengths != [len(c.token_ids) for c in completions]:
-        raise RuntimeError("the engine returned log-probs for other tokens than the continuation's")
-    ids = np.array([[t for t, _ in top] for top in tops], dtype=np.int32).reshape(len(tops), -1)
-    logprobs = np.array([[lp for _, lp in top] for top in tops], dtype=np.float32).reshape(len(tops), -1)
-    tmp = path.with_suffix(".tmp.npz")
-    np.savez(tmp, ids=ids, logprobs=np.clip(logprobs, -6e4, 0).astype(np.float16),
-             offsets=np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64))
-    os.replace(tmp, path)
-
-
-def generate_continuations(llm_factory, prompts: Sequence[dict], cache_dir: Path, max_new_tokens: int,
-                           batch_size: int, log: TrainLog | None = None, topk: int = 0) -> list[dict]:
-    """``{"id", "source", "prompt", "continuation"}`` for every prompt, generated by the engine in batches;
-    each batch is written as one shard (atomically), and prompts already in a shard are not generated again.
-    With ``topk``: the target's top-``topk`` log-probs too (``write_topk``, written before its shard)."""
-    from specdec.sampling import SamplingParams
-
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    done = {r["id"]: r for r in read_shards(cache_dir, topk) if not topk or "top_ids" in r}
-    todo = [p for p in prompts if p["id"] not in done]
-    shards = sorted(cache_dir.glob(f"{SHARD_PREFIX}*.jsonl"))
-    shard_number = int(shards[-1].stem[len(SHARD_PREFIX):]) + 1 if shards else 0  # after the last, never over one
-    if log:
-        log("continuations", cached=len(prompts) - len(todo), to_generate=len(todo))
-    llm = llm_factory() if todo else None
-    params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens, logprobs=topk or None)
-    for first in range(0, len(todo), batch_size):
-        batch = todo[first:first + batch_size]
-        outs = llm.generate([p["prompt"] for p in batch], params)
-        records = [{**p, "continuation": list(o.token_ids)} for p, o in zip(batch, outs)]
-        shard = cache_dir / f"{SHARD_PREFIX}{shard_number:05d}.jsonl"
-        if topk:
-            write_topk(shard.with_suffix(TOPK_SUFFIX), outs)
-        tmp = shard.with_suffix(".tmp")
-        tmp.write_text("".join(json.dumps(r) + "\n" for r in records))
-        os.replace(tmp, shard)
-        shard_number += 1
-        done.update((r["id"], r) for r in records)
-        if log:
-            log("continuations-shard", shard=shard.name, prompts=len(records),
-                tokens=sum(len(r["continuation"]) for r in records))
-    if topk and todo:
-        done = {r["id"]: r for r in read_shards(cache_dir, topk)}
-    return [done[p["id"]] for p in prompts]
 
 
 # ---------------------------------------------------------------------------------------------- measuring
@@ -350,33 +158,6 @@ def verify_export(model_dir: Path, heldout: Sequence[dict], k: int, vocab_size: 
 
 
 # ---------------------------------------------------------------------------------------------- training
-
-
-class Checkpoint:
-    """``OUT/checkpoint/``: ``state.pt`` (model + optimizer tensors, loadable with ``weights_only``) and
-    ``meta.json`` (step, tokens, QAT on/off, batch order, history)."""
-
-    def __init__(self, directory: Path):
-        self.dir = directory
-
-    def exists(self) -> bool:
-        return (self.dir / "meta.json").is_file() and (self.dir / "state.pt").is_file()
-
-    def meta(self) -> dict:
-        return json.loads((self.dir / "meta.json").read_text())
-
-    def save(self, model, optimizer, meta: dict) -> None:
-        self.dir.mkdir(parents=True, exist_ok=True)
-        tmp = self.dir / "state.pt.tmp"
-        torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, tmp)
-        os.replace(tmp, self.dir / "state.pt")
-        (self.dir / "meta.json.tmp").write_text(json.dumps(meta))
-        os.replace(self.dir / "meta.json.tmp", self.dir / "meta.json")
-
-    def restore(self, model, optimizer) -> None:
-        state = torch.load(self.dir / "state.pt", map_location=next(model.parameters()).device, weights_only=True)
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
 
 
 def export_drafter(model, out_dir: Path, fmt: str, tokenizer_dir: Path, group_size: int,
@@ -558,20 +339,6 @@ def write_manifest(run: DrafterRun, source_rows: list[dict], heldout_info: dict,
     path = Path(run.out) / "DATA_MANIFEST.md"
     path.write_text("\n".join(lines) + "\n")
     return path
-
-
-def check_run_identity(run: DrafterRun) -> None:
-    """Record the run's settings in ``run.json``; refuse to resume a run made with other data or models."""
-    path = Path(run.out) / "run.json"
-    identity = run.identity()
-    if path.is_file():
-        recorded = json.loads(path.read_text())
-        diff = sorted(k for k in identity.keys() | recorded.keys() if recorded.get(k) != identity.get(k))
-        if diff:
-            raise RunMismatchError(f"{run.out} holds a run with other {', '.join(diff)} (see {path}): use a new "
-                                   "--out, or the same settings to resume")
-    else:
-        path.write_text(json.dumps(identity, indent=1) + "\n")
 
 
 # ---------------------------------------------------------------------------------------------- the run
