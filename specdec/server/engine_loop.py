@@ -53,6 +53,22 @@ class Group:
 
 
 @dataclasses.dataclass
+class _Held:
+    """A job waiting for an earlier job of its group with the same prompt (its leader) to be prefilled, so
+    that it is admitted onto the leader's cached prompt blocks instead of computing them again."""
+
+    group: Group
+    index: int
+    ids: list[int]
+    params: SamplingParams
+    leader: Request
+
+    @property
+    def ready(self) -> bool:  # a first output token means the whole prompt is computed and its blocks cached
+        return self.leader.finished or bool(self.leader.output_token_ids)
+
+
+@dataclasses.dataclass
 class _Tracked:
     request: Request
     group: Group
@@ -67,6 +83,7 @@ class EngineLoop:
         self.idle_poll_s = idle_poll_s
         self.commands: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self.tracked: list[_Tracked] = []
+        self.held: list[_Held] = []  # jobs added once their leader's prompt is cached
         self.deferred: list[tuple[int, Callable[[], None]]] = []  # (KV blocks needed, job)
         self.pending: set[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = set()  # calls not answered yet
         self.snapshot: dict[str, Any] = self.engine.metrics()
@@ -154,15 +171,16 @@ class EngineLoop:
                     log.exception("engine loop iteration failed")
         finally:  # stopping (or dying): answer everyone still waiting on this thread
             self._stopping = True
-            for t in self.tracked:
+            for t in [*self.tracked, *self.held]:
                 t.group.post(Delta(t.index, [], None, "abort", error="the engine stopped"))
             for loop, future in list(self.pending):
                 _post(loop, _resolve, future, None, EngineUnavailable("the engine stopped"))
 
     def _iteration(self) -> None:
-        if not self._drain(block=not self.engine.has_work() and not self.deferred):
+        if not self._drain(block=not self.engine.has_work() and not self.deferred and not self.held):
             return
         self._run_deferred()
+        self._release_held()
         if self.engine.has_work():
             self._step()
         self._publish()
@@ -218,10 +236,34 @@ class EngineLoop:
     def _add(self, group: Group, jobs: list[tuple[list[int], SamplingParams]]) -> None:
         for ids, params in jobs:
             self.engine.validate_request(ids, params)
+        leaders: dict[tuple[int, ...], Request] = {}
         for index, (ids, params) in enumerate(jobs):
-            req = self.engine.add_request(ids, params)
-            group.requests.append(req)
-            self.tracked.append(_Tracked(req, group, index))
+            leader = leaders.get(tuple(ids))
+            if leader is not None:
+                self.held.append(_Held(group, index, ids, params, leader))
+                continue
+            req = self._add_one(group, index, ids, params)
+            if len(ids) >= self.engine.blocks.block_size:  # a full block to share: later copies wait for it
+                leaders[tuple(ids)] = req
+
+    def _add_one(self, group: Group, index: int, ids: list[int], params: SamplingParams) -> Request:
+        req = self.engine.add_request(ids, params)
+        group.requests.append(req)
+        self.tracked.append(_Tracked(req, group, index))
+        return req
+
+    def _release_held(self) -> None:
+        waiting = []
+        for h in self.held:
+            if not h.ready:
+                waiting.append(h)
+                continue
+            try:
+                self._add_one(h.group, h.index, h.ids, h.params)
+            except Exception as exc:  # validated when queued: only a changed engine gets here
+                log.exception("adding a held request failed")
+                h.group.post(Delta(h.index, [], None, "abort", error=f"{type(exc).__name__}: {exc}"))
+        self.held = waiting
 
     def _abort(self, group: Group) -> None:
         for t in [t for t in self.tracked if t.group is group]:
@@ -229,6 +271,7 @@ class EngineLoop:
                 self.engine.abort(t.request)
                 self.aborted += 1
         self.tracked = [t for t in self.tracked if t.group is not group]
+        self.held = [h for h in self.held if h.group is not group]
         self.snapshot = self.engine.metrics()
 
     def _publish(self) -> None:
