@@ -74,13 +74,27 @@ def cmd_twin(args: argparse.Namespace) -> int:
     from specdec.models.loader import load_model
     from specdec.models.twin import make_twin, save_twin
 
+    from specdec.models.twin_head import is_head_dir
+
+    source = resolve_model(args.model)
+    is_head = is_head_dir(source)
     shape = args.shape
     if shape.endswith(".json"):
         keys = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                 "num_key_value_heads", "head_dim", "vocab_size", "tie_word_embeddings")
+        keys += ("draft_vocab_size", "target_hidden_size") if is_head else ()
         raw = json.loads(Path(shape).read_text())
         shape = {k: raw[k] for k in keys if k in raw}
-    source = resolve_model(args.model)
+    if is_head:  # an EAGLE-3 head: its twin reads the twin of the small target it drafts for
+        from specdec.errors import ConfigError
+        from specdec.models.twin_head import write_head_twin
+
+        if not args.target:
+            raise ConfigError(f"{source} holds an EAGLE-3 head: pass --target DIR, the small target model it drafts "
+                              "for (its twin's features are what the head twin reads, and they calibrate it)")
+        twin = write_head_twin(source, args.target, shape, args.out, noise=args.noise)
+        print(f"wrote {args.out}: {sum(p.numel() for p in twin.parameters()) / 1e6:.1f}M parameters")
+        return 0
     twin = make_twin(load_model(source, "cpu"), shape, noise=args.noise)
     save_twin(twin, source, args.out)
     print(f"wrote {args.out}: {sum(p.numel() for p in twin.parameters()) / 1e6:.1f}M parameters")
@@ -109,7 +123,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_judge_parsers(sub)
     add_train_parser(sub)
     twin = sub.add_parser("twin", help="write a scaled twin: a model padded to a larger shape, same function")
-    twin.add_argument("model", help="model directory or short name (ref-target)")
+    twin.add_argument("model", help="model directory or short name (ref-target), or an EAGLE-3 head directory")
+    twin.add_argument("--target", default=None,
+                      help="for an EAGLE-3 head: the small target model it drafts for (the head twin is made for "
+                           "that target's twin at the same --shape)")
     twin.add_argument("--shape", required=True, help="qwen3-8b, qwen3-1.7b, qwen3-0.6b, or a config.json with the shape")
     twin.add_argument("--out", required=True)
     twin.add_argument("--noise", type=float, default=0.0, help="std of the padding (1e-6 for benchmark twins)")

@@ -101,7 +101,20 @@ def _eagle3_speculator(config: SpecConfig, llm):
         head_dir = resolve_model(config.model)
     except FileNotFoundError as exc:
         raise ConfigError(f"draft head: {exc}") from exc
-    head = load_eagle3_head(head_dir, llm.model, llm.device, llm.model.lm_head.weight.dtype)
+    dtype = llm.model.lm_head.weight.dtype
+    if config.draft_twin:  # the head drafts for the small target: load it so, then pad it to the twin's shapes
+        from specdec.models.twin_head import make_head_twin
+
+        small = load_model(llm.model_dir, llm.device, dtype)
+        if small.config == llm.model.config:
+            raise ConfigError("draft_twin / --draft-twin with an EAGLE-3 head needs the target run as a twin "
+                              "(twin= / --twin): the head twin reads the twin target's features")
+        head = load_eagle3_head(head_dir, small, llm.device, dtype)
+        head = make_head_twin(head, llm.model, config.draft_twin, noise=1e-6 if llm.device.type == "cuda" else 0.0,
+                              small_target=small)
+        del small
+    else:
+        head = load_eagle3_head(head_dir, llm.model, llm.device, dtype)
     layers = feature_layers(head.config, llm.model.config.num_hidden_layers)
     return Eagle3Speculator(head, llm.engine.blocks, llm.model.config.vocab_size, layers)
 
