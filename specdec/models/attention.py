@@ -13,16 +13,54 @@ Grouped-query attention: each sequence's keys and values are gathered once per K
 Hkv * D values per position) and SDPA maps query heads onto them (``enable_gqa``).  Measured on an H200
 (2026-12-03): gathering one row per *query* head instead, to give SDPA equal head counts, made the gather
 4x larger and decode slower at every batch size (bs1 9.4 -> 9.9 ms, bs128 25 -> 218 ms at 8B).
+
+Backends (`set_attention_backend`): "sdpa" (the default) gathers and calls SDPA as above; "triton" sends steps
+of at most 17 queries per sequence on a GPU to specdec/kernels/paged_attention.py, which reads keys straight
+from the blocks (no gather, no mask).  The choice is made once per step, in `AttentionBatch.prepare`, so every
+layer of a step (and a captured graph) takes the same path.
+
+Tree verify: `AttentionBatch.tree_mask` (bool; [Q, Q] one static tree for every sequence, [B, Q, Q] one per
+sequence, or [T, Q] one row per flat query) replaces the causal rule among a sequence's new tokens: query i
+sees every committed key and new token j iff tree_mask[..., i, j].  Both backends honour it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import itertools
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from specdec.kernels.tree_mask import tree_layout
+
+BACKENDS = ("sdpa", "triton")
+KERNEL_MAX_QUERIES = 17  # the Triton kernel's row tile: a verify of 16 drafts plus one
+_backend = "sdpa"
+_kernels = None  # specdec.kernels.paged_attention once the "triton" backend is chosen (it needs triton)
+
+
+def set_attention_backend(name: str) -> None:
+    """Pick the attention of later steps: "sdpa" (gather + SDPA, the default) or "triton" (the paged kernel
+    for decode / verify steps of at most KERNEL_MAX_QUERIES queries per sequence on a GPU; every other step
+    keeps SDPA).  Call it before the engine captures its graphs.  Raises ImportError without triton."""
+    global _backend, _kernels
+    if name not in BACKENDS:
+        raise ValueError(f"attention backend must be one of {BACKENDS}, not {name!r}")
+    if name == "triton" and _kernels is None:
+        _kernels = importlib.import_module("specdec.kernels.paged_attention")
+    _backend = name
+
+
+def attention_backend() -> str:
+    return _backend
+
+
+def _kernel_device(t: torch.Tensor) -> bool:
+    """Whether the kernel runs on t's device (a GPU)."""
+    return t.is_cuda
 
 
 @dataclasses.dataclass
@@ -39,6 +77,9 @@ class AttentionBatch:
     host_lens: tuple[list[int], list[int]] | None = None
     seq_starts: torch.Tensor | None = None  # [B] flat row of each sequence's first query (default: query_start)
     groups: list["QueryGroup"] = dataclasses.field(default_factory=list)
+    tree_mask: torch.Tensor | None = None  # bool tree among each sequence's new tokens (module docstring)
+    block_size: int = 0  # set by prepare
+    use_kernel: bool = False  # set by prepare: the Triton kernel attends this step (no gather indices built)
     # Derived index tensors for the gathered-SDPA path (built once per step, shared by all layers).
     query_index: torch.Tensor | None = None  # [B, max_q] flat row of each padded query (0 for padding)
     query_valid: torch.Tensor | None = None  # [B, max_q] bool
@@ -51,11 +92,25 @@ class AttentionBatch:
         return int(self.context_lens.shape[0])
 
     def prepare(self, block_size: int) -> "AttentionBatch":
-        """Build the padded gather indices and the causal mask (or, given host_lens, the query-length groups,
-        each prepared alike); returns self."""
-        if self.host_lens is not None and not self.uniform:
+        """Choose the backend for this step; for SDPA build the padded gather indices and the causal mask (or,
+        given host_lens, the query-length groups, each prepared alike); returns self."""
+        self.block_size = block_size
+        self.use_kernel = self._kernel_applies()
+        if not self.use_kernel:
+            self.prepare_gather()
+        return self
+
+    def _kernel_applies(self) -> bool:
+        size = self.block_size
+        return (_backend == "triton" and _kernel_device(self.context_lens) and self.seq_starts is None
+                and self.max_query_len <= KERNEL_MAX_QUERIES and size >= 16 and size & (size - 1) == 0)
+
+    def prepare_gather(self) -> None:
+        """The SDPA path's gather indices and mask (or query-length groups)."""
+        block_size = self.block_size
+        if self.host_lens is not None and not self.uniform and self.tree_mask is None:
             self.groups = split_by_query_length(self, block_size)
-            return self
+            return
         device = self.context_lens.device
         query_lens = self.query_start[1:] - self.query_start[:-1]  # [B]
         starts = self.seq_starts if self.seq_starts is not None else self.query_start[:-1]
@@ -69,9 +124,27 @@ class AttentionBatch:
         self.key_slots = torch.where(key_valid, blocks * block_size + k_pos % block_size, 0)
         # query i of seq b is at absolute position context_len - query_len + i
         q_pos = (self.context_lens - query_lens)[:, None] + q_offsets[None, :]  # [B, max_q]
-        causal = k_pos[None, None, :] <= q_pos[:, :, None]  # [B, max_q, max_ctx]
+        if self.tree_mask is None:
+            causal = k_pos[None, None, :] <= q_pos[:, :, None]  # [B, max_q, max_ctx]
+        else:
+            causal = self._tree_visible(k_pos, self.context_lens - query_lens)
         self.mask = (causal & key_valid[:, None, :]).unsqueeze(1)
-        return self
+
+    def _tree_visible(self, k_pos: torch.Tensor, first_new: torch.Tensor) -> torch.Tensor:
+        """[B, max_q, max_ctx] bool: key k is committed context (k < first_new[b]) or new token k - first_new[b]
+        is marked in query i's tree row.  Example: first_new 5, tree row [1, 0, 1] -> keys 0..4, 5 and 7."""
+        q = self.max_query_len
+        tree = self.tree_mask
+        layout = tree_layout(tree, self.num_seqs, int(self.slot_mapping.shape[0]))
+        if layout == "per_row":
+            rows = tree[self.query_index][:, :, :q]  # [B, max_q, q]
+        elif layout == "per_seq":
+            rows = tree[:, :q, :q]
+        else:
+            rows = tree[:q, :q].expand(self.num_seqs, q, q)
+        new_key = k_pos[None, :] - first_new[:, None]  # [B, max_ctx]
+        index = new_key.clamp(0, q - 1)[:, None, :].expand(-1, rows.shape[1], -1)  # [B, max_q, max_ctx]
+        return (new_key < 0)[:, None, :] | rows.gather(2, index)
 
     def bias(self, dtype: torch.dtype) -> torch.Tensor:
         """The mask as an additive bias [B, 1, max_q, max_ctx] (0 where allowed, -inf elsewhere), built once
@@ -148,7 +221,15 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: AttentionBatch,
                     scale: float) -> torch.Tensor:
-    """q [T, H, D] -> out [T, H, D], attending over each sequence's cached keys (gather + SDPA)."""
+    """q [T, H, D] -> out [T, H, D], attending over each sequence's cached keys (the Triton kernel where the
+    step chose it, else gather + SDPA)."""
+    if batch.use_kernel:
+        if _kernels.supports(q, k_cache, batch.block_size, batch.max_query_len):
+            return _kernels.paged_attention(q, k_cache, v_cache, batch.query_start, batch.context_lens,
+                                          batch.block_tables, batch.block_size, scale, batch.max_query_len,
+                                          batch.max_context_len, batch.tree_mask)
+        batch.use_kernel = False  # inputs the kernel cannot take (dtype, heads): SDPA, indices built once
+        batch.prepare_gather()
     if batch.groups:  # a step of mixed query counts: one padded attention per query-length group
         out = torch.empty_like(q)
         for group in batch.groups:

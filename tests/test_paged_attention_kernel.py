@@ -1,0 +1,237 @@
+"""The Triton paged-attention kernel (specdec/kernels/paged_attention.py) against the gather + SDPA path of
+specdec/models/attention.py, run on the CPU by Triton's interpreter.
+
+TRITON_INTERPRET must be set before triton is first imported (triton's own helpers, tl.zeros among them, are
+decorated then), and it would change every later triton user of the process.  So the kernel tests run in a
+child process started with it (test_kernel_cases_under_the_interpreter); in the test run itself they are
+skipped and nothing imports triton.  Shapes are small (the interpreter runs every program in Python); one case
+runs head_dim 128.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from specdec.models import attention
+from specdec.models.attention import AttentionBatch
+
+CHILD = os.environ.get("TRITON_INTERPRET") == "1"
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+NO_TRITON = "triton is not installed (it comes with the test extra: pip install -e .[test])"
+child_only = pytest.mark.skipif(not CHILD, reason="runs in the interpreter's child process (see the module doc)")
+
+if CHILD:
+    kernel = pytest.importorskip("specdec.kernels.paged_attention", reason=NO_TRITON)
+    assert kernel.INTERPRETED
+
+
+@pytest.mark.skipif(CHILD, reason="this is the child")
+@pytest.mark.skipif(not HAS_TRITON, reason=NO_TRITON)
+def test_kernel_cases_under_the_interpreter():
+    """This file's kernel cases, in a child process started with TRITON_INTERPRET=1."""
+    repo = Path(__file__).resolve().parents[1]
+    child = subprocess.run([sys.executable, "-m", "pytest", __file__, "-p", "no:cacheprovider", "-rs"], cwd=repo,
+                           env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True, timeout=600)
+    report = child.stdout[-8000:] + child.stderr[-2000:]
+    assert child.returncode == 0, report
+    passed, skipped = (re.search(rf"(\d+) {word}", child.stdout) for word in ("passed", "skipped"))
+    assert passed and int(passed.group(1)) >= 10, report
+    assert skipped is None or int(skipped.group(1)) == 1, report  # only this test, skipped in the child
+
+
+def make_case(query_lens, context_lens, block_size, kv_heads=2, group=2, head_dim=32, dtype=torch.float32,
+              seed=0, spare_blocks=7):
+    """A step over shuffled, non-contiguous blocks: (q [T, H, D], k_cache, v_cache, AttentionBatch).
+    Every cache slot holds random values (the step's own keys included, as if written before attending)."""
+    gen = torch.Generator().manual_seed(seed)
+    needed = [-(-c // block_size) for c in context_lens]
+    num_blocks = sum(needed) + spare_blocks
+    order = torch.randperm(num_blocks, generator=gen).tolist()  # block ids handed out in random order
+    width = max(needed) + 1
+    tables, used = torch.zeros(len(needed), width, dtype=torch.long), 0
+    for b, n in enumerate(needed):
+        tables[b, :n] = torch.tensor(order[used:used + n])
+        used += n
+    starts = [0]
+    for n in query_lens:
+        starts.append(starts[-1] + n)
+    slots = [int(tables[b, p // block_size]) * block_size + p % block_size
+             for b, (n, c) in enumerate(zip(query_lens, context_lens)) for p in range(c - n, c)]
+    shape = (num_blocks * block_size, kv_heads, head_dim)
+    k_cache = torch.randn(shape, generator=gen).to(dtype)
+    v_cache = torch.randn(shape, generator=gen).to(dtype)
+    q = torch.randn(starts[-1], kv_heads * group, head_dim, generator=gen).to(dtype)
+    batch = AttentionBatch(torch.tensor(starts), torch.tensor(context_lens), tables, torch.tensor(slots),
+                           max(query_lens), max(context_lens), block_size=block_size)  # not prepared
+    return q, k_cache, v_cache, batch
+
+
+def reference(q, k_cache, v_cache, batch, scale, tree_mask=None):
+    """The SDPA path (gathered keys, materialised mask) in float32."""
+    ref = AttentionBatch(batch.query_start, batch.context_lens, batch.block_tables, batch.slot_mapping,
+                         batch.max_query_len, batch.max_context_len, tree_mask=tree_mask)
+    ref.block_size = batch.block_size
+    ref.prepare_gather()
+    return attention.paged_attention(q.float(), k_cache.float(), v_cache.float(), ref, scale)
+
+
+def run_kernel(q, k_cache, v_cache, batch, scale, tree_mask=None, **overrides):
+    return kernel.launch(q, k_cache, v_cache, batch.query_start, batch.context_lens, batch.block_tables,
+                         batch.block_size, scale, batch.max_query_len, batch.max_context_len, tree_mask, **overrides)
+
+
+# (query counts, context lengths): contexts shorter than a block, exactly on a block boundary, up to 300;
+# decodes, verifies and 17-query steps in one batch
+RAGGED = ([1, 17, 3, 16, 1, 9, 17, 5], [1, 17, 16, 32, 64, 100, 181, 300])
+
+
+@child_only
+@pytest.mark.parametrize("block_size,kv_heads,group,head_dim", [(16, 2, 1, 32), (32, 1, 3, 48), (16, 2, 4, 64),
+                                                                 (32, 2, 4, 32)])
+def test_ragged_batch_matches_gather_sdpa(block_size, kv_heads, group, head_dim):
+    q, k_cache, v_cache, batch = make_case(*RAGGED, block_size, kv_heads, group, head_dim, seed=block_size + group)
+    expected = reference(q, k_cache, v_cache, batch, 0.3)
+    out = run_kernel(q, k_cache, v_cache, batch, 0.3)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    torch.testing.assert_close(out, expected, atol=2e-5, rtol=1e-4)
+
+
+@child_only
+@pytest.mark.parametrize("partition_keys,max_rows", [(64, 128), (32, 16)])
+def test_split_partitions_and_row_chunks_merge_exactly(partition_keys, max_rows):
+    """Contexts split over many partitions (merged by the second kernel) and query rows over several tiles
+    give the single-pass result."""
+    q, k_cache, v_cache, batch = make_case([1, 17, 4], [250, 140, 9], 16, kv_heads=1, group=4, seed=3)
+    expected = reference(q, k_cache, v_cache, batch, 0.25)
+    out = run_kernel(q, k_cache, v_cache, batch, 0.25, partition_keys=partition_keys, max_rows=max_rows)
+    torch.testing.assert_close(out, expected, atol=2e-5, rtol=1e-4)
+    assert kernel.split_plan(3, 1, 250, q.device, 64, partition_keys)[0] > 1
+
+
+@child_only
+def test_head_dim_128():
+    q, k_cache, v_cache, batch = make_case([1, 8, 3], [40, 200, 17], 16, kv_heads=1, group=4, head_dim=128, seed=4)
+    expected = reference(q, k_cache, v_cache, batch, 128 ** -0.5)
+    torch.testing.assert_close(run_kernel(q, k_cache, v_cache, batch, 128 ** -0.5), expected, atol=2e-5, rtol=1e-4)
+
+
+@child_only
+@pytest.mark.parametrize("dtype,atol", [(torch.bfloat16, 3e-2), (torch.float16, 4e-3)])
+def test_half_inputs_accumulate_in_float32(dtype, atol):
+    q, k_cache, v_cache, batch = make_case([1, 5, 17], [70, 33, 120], 32, kv_heads=2, group=2, dtype=dtype, seed=5)
+    out = run_kernel(q, k_cache, v_cache, batch, 0.2, partition_keys=64)
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.float(), reference(q, k_cache, v_cache, batch, 0.2), atol=atol, rtol=0)
+
+
+# A static draft tree of 6 nodes laid out [root, a, b, c, d, e]: root -> a, b; a -> c, d; b -> e.
+PARENTS = [-1, 0, 0, 1, 1, 2]
+
+
+def ancestors(parents) -> torch.Tensor:
+    """[Q, Q] bool: row i marks node i and its ancestors."""
+    n = len(parents)
+    mask = torch.zeros(n, n, dtype=torch.bool)
+    for i in range(n):
+        j = i
+        while j >= 0:
+            mask[i, j] = True
+            j = parents[j]
+    return mask
+
+
+def dense_tree_reference(q, k_cache, v_cache, batch, scale, tree):
+    """Per sequence, SDPA over its keys with the tree rule spelled out: every committed key, then new token j
+    iff tree[i, j] (tree [Q, Q] shared by the sequences)."""
+    outs, starts, group = [], batch.query_start.tolist(), q.shape[1] // k_cache.shape[1]
+    for b, c in enumerate(batch.context_lens.tolist()):
+        n = starts[b + 1] - starts[b]
+        pos = torch.arange(c)
+        slots = batch.block_tables[b][pos // batch.block_size] * batch.block_size + pos % batch.block_size
+        keys = k_cache[slots].transpose(0, 1).repeat_interleave(group, 0)  # [H, c, D]
+        values = v_cache[slots].transpose(0, 1).repeat_interleave(group, 0)
+        mask = torch.ones(n, c, dtype=torch.bool)
+        mask[:, c - n:] = tree[:n, :n]
+        outs.append(torch.nn.functional.scaled_dot_product_attention(
+            q[starts[b]:starts[b + 1]].transpose(0, 1), keys, values, attn_mask=mask, scale=scale).transpose(0, 1))
+    return torch.cat(outs)
+
+
+@child_only
+def test_tree_mask_in_every_layout_matches_gather_sdpa():
+    tree = ancestors(PARENTS)  # [6, 6]
+    q, k_cache, v_cache, batch = make_case([6, 6, 6], [6, 40, 103], 16, kv_heads=2, group=2, seed=6)
+    expected = dense_tree_reference(q, k_cache, v_cache, batch, 0.3, tree)
+    layouts = {"shared": tree, "per_seq": tree.expand(3, 6, 6).contiguous(), "per_row": tree.repeat(3, 1)}
+    for name, mask in layouts.items():
+        torch.testing.assert_close(reference(q, k_cache, v_cache, batch, 0.3, mask), expected, atol=2e-5, rtol=1e-4)
+        for partition_keys in (None, 32):
+            out = run_kernel(q, k_cache, v_cache, batch, 0.3, mask, partition_keys=partition_keys)
+            torch.testing.assert_close(out, expected, atol=2e-5, rtol=1e-4, msg=f"{name} {partition_keys}")
+    causal = torch.ones(6, 6, dtype=torch.bool).tril()  # a chain is the plain causal rule
+    torch.testing.assert_close(run_kernel(q, k_cache, v_cache, batch, 0.3, causal),
+                               run_kernel(q, k_cache, v_cache, batch, 0.3), atol=1e-6, rtol=0)
+
+
+@child_only
+def test_per_sequence_trees_of_fewer_queries():
+    """Per-sequence trees wider than a sequence's query count: only its first q rows and columns count."""
+    trees = torch.stack([ancestors(PARENTS), ancestors([-1, 0, 1, 0, -1, -1])])  # the second verifies 4 nodes
+    q, k_cache, v_cache, batch = make_case([6, 4], [30, 20], 16, kv_heads=1, group=3, seed=7)
+    expected = reference(q, k_cache, v_cache, batch, 0.3, trees)
+    torch.testing.assert_close(run_kernel(q, k_cache, v_cache, batch, 0.3, trees), expected, atol=2e-5, rtol=1e-4)
+
+
+@pytest.fixture
+def triton_backend(monkeypatch):
+    """The "triton" backend with the CPU counted as a kernel device (the interpreter runs it)."""
+    monkeypatch.setattr(attention, "_kernel_device", lambda t: True)
+    attention.set_attention_backend("triton")
+    yield
+    attention.set_attention_backend("sdpa")
+
+
+def test_backend_is_opt_in_and_chooses_per_step():
+    assert attention.attention_backend() == "sdpa"
+    q, k_cache, v_cache, batch = make_case([1, 3], [20, 40], 16)
+    assert not batch.prepare(16).use_kernel and batch.mask is not None
+    with pytest.raises(ValueError):
+        attention.set_attention_backend("flash")
+
+
+@child_only
+def test_triton_backend_runs_decode_and_verify_steps(triton_backend):
+    q, k_cache, v_cache, batch = make_case(*RAGGED, 16, seed=8)
+    expected = reference(q, k_cache, v_cache, batch.prepare(16), 0.3)
+    assert batch.use_kernel and batch.mask is None and batch.key_slots is None  # no gather, no mask
+    torch.testing.assert_close(attention.paged_attention(q, k_cache, v_cache, batch, 0.3), expected, atol=2e-5,
+                               rtol=1e-4)
+    long_step = make_case([18, 1], [40, 20], 16)[3].prepare(16)  # a prefill chunk: SDPA
+    small_blocks = make_case([1, 3], [20, 40], 8)[3].prepare(8)
+    assert not long_step.use_kernel and not small_blocks.use_kernel
+
+
+@child_only
+def test_triton_backend_keeps_greedy_outputs(qwen3_dir, triton_backend, monkeypatch):
+    """End to end on the tiny model (block size 16; head_dim 8, padded to 16 in the kernel): greedy outputs
+    match the SDPA backend's, the 19-token prompt's prefill going to SDPA, everything else to the kernel."""
+    from specdec import LLM, SamplingParams
+
+    calls = []
+    launch = kernel.paged_attention
+    monkeypatch.setattr(kernel, "paged_attention", lambda *a: calls.append(a[0].shape[0]) or launch(*a))
+    greedy = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    prompts = [list(range(10, 10 + n)) for n in (5, 19)]
+    llm = LLM(qwen3_dir, device="cpu", kv_cache_tokens=512, block_size=16)
+    with_kernel = [o.token_ids for o in llm.generate(prompts, greedy)]
+    assert calls and max(calls) <= 2 * attention.KERNEL_MAX_QUERIES
+    attention.set_attention_backend("sdpa")
+    assert [o.token_ids for o in llm.generate(prompts, greedy)] == with_kernel
