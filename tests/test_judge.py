@@ -86,13 +86,14 @@ def test_record_has_the_specified_keys_and_types(normal):
         speeds = record["workloads"][name]
         assert row["passes"] == pytest.approx([c / s for c, s in zip(speeds["candidate_tps"], speeds["stock_tps"])],
                                               rel=1e-4)
-        assert set(record["lengths"][name]) == {"ratio", "low", "high"}
+        assert set(record["lengths"][name]) >= {"ratio", "low", "high", "verdict"}
         assert 2.0 < record["acceptance"][name] < 2.6  # the fake verifies 2.5 tokens a step
     assert record["specscore"] == pytest.approx(stats.geometric_mean([record["ratios"][w]["ratio"]
                                                                       for w in ("solo", "team", "busy")]), rel=1e-5)
     assert record["score"] == record["specscore"] > 1.0
     for key in ("likelihood", "argmax"):
-        assert set(record[key]) == {"gap", "se", "candidate", "stock"} and record[key]["gap"] == 0.0
+        assert set(record[key]) >= {"gap", "se", "candidate", "stock", "half_width", "bound", "verdict"}
+        assert record[key]["gap"] == 0.0 and record[key]["se"] == 0.0  # the same replies, paired by request
     assert record["greedy_agreement"] == 1.0 and record["fidelity"] == 0.0
     assert isinstance(record["memory"]["ok"], bool) and record["memory"]["peak_mib"] > 0
     assert record["memory"]["allowed_mib"] == pytest.approx(record["memory"]["stock_peak_mib"] + 4096)
@@ -108,6 +109,10 @@ def test_normal_engines_pass_every_gate(normal):
         "device memory", "fixed texts' log-probabilities", "sampled replies' likelihood", "share of first choices",
         "greedy agreement", "reply lengths"]
     assert all(g["ok"] for g in record["gates"]), record["gates"]
+    verdicts = {g["key"]: g["verdict"] for g in record["gates"]}
+    assert verdicts == {"memory": "pass", "fidelity": "pass", "likelihood": "pass", "argmax": "pass",
+                        "greedy_agreement": "reported", "lengths": "pass"}
+    assert record["verdict"] == "pass" and record["inconclusive"] == []
 
 
 def test_report_shows_score_gates_plots_and_json(normal):

@@ -1,4 +1,5 @@
-"""`specdec judge` (any two OpenAI-compatible engines) and `specdec demo` (the reference pair on CPU)."""
+"""`specdec judge` (any two OpenAI-compatible engines), `specdec demo` (the reference pair on CPU) and
+`specdec leaderboard` (records ranked)."""
 
 from __future__ import annotations
 
@@ -61,8 +62,12 @@ def config_from_args(args: argparse.Namespace, stock: str, candidate: str, promp
                        passes=args.passes, busy_concurrency=args.busy_concurrency, temperature=args.temperature,
                        top_p=args.top_p, seed=args.seed, layout=args.layout, limits=limits,
                        request_timeout_s=args.request_timeout, startup_timeout_s=args.startup_timeout,
-                       quiet=args.quiet, **sized,
-                       **{k: getattr(args, k) for k in ("fixed_texts", "model", "title") if getattr(args, k, None)})
+                       quiet=args.quiet, quick=args.quick, **sized,
+                       **{k: getattr(args, k) for k in OPTIONAL if getattr(args, k, None)})
+
+
+OPTIONAL = ("fixed_texts", "model", "stock_model", "candidate_model", "scorer", "scorer_device", "title")
+"""judge options that only some runs give (JudgeConfig's defaults stand otherwise)."""
 
 
 def cmd_judge(args: argparse.Namespace) -> int:
@@ -74,39 +79,32 @@ def cmd_judge(args: argparse.Namespace) -> int:
     return judge_and_print(config)
 
 
-def judge_and_print(config: JudgeConfig) -> int:
+def judge_and_print(config: JudgeConfig, lead: list[str] = ()) -> int:
     from rich.console import Console
-    from rich.table import Table
 
     from specdec.judge.run import run_judge
+    from specdec.judge.summary import print_summary
 
     record = run_judge(config)
-    console = Console()
-    console.print(f"\n[bold]{record['title']}[/]")
-    console.print(f"[bold]SpecScore {fmt(record['specscore'], '.3f')}[/] (geometric mean of the speedups); "
-                  f"score {fmt(record['score'], '.3f')}")
-    for name, row in (record["ratios"] or {}).items():
-        console.print(f"  {name:<5} {row['ratio']:.3f}x  passes {', '.join(f'{p:.3f}' for p in row['passes'])}"
-                      f"  acceptance {fmt((record['acceptance'] or {}).get(name), '.2f')} tokens/step")
-    if record["gates"]:
-        table = Table("check", "measured", "limit", "result")
-        for gate in record["gates"]:
-            table.add_row(gate["check"], gate["measured"], gate["limit"], "pass" if gate["ok"] else "[red]FAIL[/]")
-        console.print(table)
-    if record["reason"]:
-        console.print(f"[red]reason:[/] {record['reason']}", highlight=False)
-    console.print(f"record: {config.out / 'record.json'}\nreport: {config.out / 'report.html'}")
+    print_summary(Console(), record, lead)
+    Console().print(f"record: {config.out / 'record.json'}\nreport: {config.out / 'report.html'}", highlight=False)
     return 0 if record["reason"] is None else 1
 
 
-def fmt(value, spec: str) -> str:
-    return "–" if value is None else format(value, spec)
-
-
 def serve_command(model: str, kv_cache_tokens: int, extra: str = "") -> str:
-    """A `specdec serve` command line for the judge (which fills in {port})."""
+    """A `specdec serve` command line for the judge (which fills in {port}: the run prints the real one)."""
     return (f"{shlex.quote(sys.executable)} -m specdec.cli serve {model} --device cpu --kv-cache-tokens "
             f"{kv_cache_tokens} --host 127.0.0.1 --port {{port}} {extra}").strip()
+
+
+DEMO_SPECULATORS = {
+    "ngram": ("--speculator ngram --num-draft-tokens {k}",
+              "n-gram lookup in the request's own context (the speculator that pays on a CPU: the ref-draft "
+              "drafter costs about a target forward here, docs/BENCHMARKS.md)"),
+    "draft": ("--speculator draft --draft-model ref-draft --num-draft-tokens {k}",
+              "the ref-draft drafter (on a CPU it costs about as much per forward as the target, so expect "
+              "no speedup; it pays on a GPU)"),
+}
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -114,19 +112,22 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     from specdec.assets import heldout_prompts_path, resolve_model
 
-    for name in ("ref-target", "ref-draft"):
+    for name in ("ref-target", "ref-draft") if args.speculator == "draft" else ("ref-target",):
         try:
             resolve_model(name)
         except FileNotFoundError as exc:
             raise ConfigError(str(exc)) from None
     if importlib.util.find_spec("specdec.server") is None:
         raise ConfigError("`specdec serve` is not available in this build, and the demo needs it to start engines")
+    flags, why = DEMO_SPECULATORS[args.speculator]
     stock = serve_command("ref-target", args.kv_cache_tokens)
-    candidate = serve_command("ref-target", args.kv_cache_tokens,
-                              f"--speculator draft --draft-model ref-draft --num-draft-tokens {args.num_draft_tokens}")
+    candidate = serve_command("ref-target", args.kv_cache_tokens, flags.format(k=args.num_draft_tokens))
     config = config_from_args(args, stock, candidate, heldout_prompts_path(), args.out or Path("demo-out"),
                               **({} if args.quick else DEMO))
-    return judge_and_print(config)
+    lead = [f"speculator: {args.speculator} (k={args.num_draft_tokens}): {why}"]
+    if not args.quiet:
+        print(lead[0], flush=True)
+    return judge_and_print(config, lead)
 
 
 DEMO = dict(num_prompts=16, max_tokens=64, busy_max_tokens=96, concurrency=8, gate_prompts=16)
@@ -146,13 +147,27 @@ def add_judge_parsers(sub) -> None:
     judge.add_argument("--fixed-texts", type=Path, default=None,
                        help="texts scored by both engines (default: the first --gate-prompts prompts)")
     judge.add_argument("--model", default=None, help="the requests' model field (default: from /v1/models)")
+    judge.add_argument("--stock-model", default=None,
+                       help="the stock engine's model field, where the engines name one model differently "
+                            "(default: --model)")
+    judge.add_argument("--candidate-model", default=None, help="the candidate's model field (default: --model)")
+    judge.add_argument("--scorer", type=Path, default=None, metavar="MODEL_DIR",
+                       help="score fixed texts' greedy continuations and sampled replies with this local "
+                            "reference model (for engines without prompt log-probs, e.g. transformers serve)")
+    judge.add_argument("--scorer-device", default="auto", help="the scorer's device (default: auto)")
     judge.add_argument("--title", default=None, help="the report's title (default: model · speculator)")
     add_run_args(judge)
     judge.set_defaults(func=cmd_judge)
 
     demo = sub.add_parser("demo", help="judge the reference pair on CPU: ref-target alone vs with ref-draft")
-    demo.add_argument("--num-draft-tokens", type=int, default=4, help="k of the draft speculator (default 4)")
+    demo.add_argument("--speculator", choices=tuple(DEMO_SPECULATORS), default="ngram",
+                      help="ngram (default: it pays on a CPU) or draft (the ref-draft drafter, which pays on a GPU)")
+    demo.add_argument("--num-draft-tokens", type=int, default=4, help="k of the speculator (default 4)")
     demo.add_argument("--kv-cache-tokens", type=int, default=2048,
                       help="each engine's KV cache in tokens (small, so that busy fills it)")
     add_run_args(demo)
     demo.set_defaults(func=cmd_demo)
+
+    from specdec.judge.leaderboard import add_leaderboard_parser
+
+    add_leaderboard_parser(sub)

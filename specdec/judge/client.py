@@ -31,6 +31,10 @@ class RequestError(Exception):
         self.dropped = dropped  # the connection failed or closed: the engine may be going down
 
 
+class NoLogprobs(RequestError):
+    """The engine answered a scoring request without prompt log-probs (it ignores echo / logprobs)."""
+
+
 @dataclasses.dataclass
 class Reply:
     text: str
@@ -100,7 +104,7 @@ class EngineApi:
             raise RequestError(f"scoring with echo + logprobs: HTTP {status}: {str(data)[:300]}")
         reply = parse_reply(data)
         if reply.tokens is None or reply.token_logprobs is None:
-            raise RequestError("echo + logprobs returned no tokens / token_logprobs")
+            raise NoLogprobs("echo + logprobs returned no tokens / token_logprobs")
         return prompt_part(reply, len(text))
 
 

@@ -48,6 +48,11 @@ class JudgeConfig:
     startup_timeout_s: float = 900.0
     layout: str = "auto"  # together: both engines up at once; alternate: one at a time
     model: str | None = None  # the request's "model" field (default: the engine's first /v1/models id)
+    stock_model: str | None = None  # per engine, for engines that name the same model differently (default: model)
+    candidate_model: str | None = None
+    scorer: Path | None = None  # a local reference model that scores texts (engines without prompt log-probs)
+    scorer_device: str = "auto"
+    quick: bool = False  # sized by --quick: the record says what it cannot check at that size
     title: str | None = None
     quiet: bool = False
 
@@ -60,8 +65,14 @@ class JudgeConfig:
             raise ConfigError("passes, concurrency, max_tokens and gate_prompts must be at least 1")
         if self.layout not in LAYOUTS:
             raise ConfigError(f"layout must be one of {', '.join(LAYOUTS)}, got {self.layout!r}")
+        if self.scorer is not None:
+            self.scorer = Path(self.scorer)
         if self.busy_max_tokens is None:
             self.busy_max_tokens = 2 * self.max_tokens
+
+    def model_for(self, role: str) -> str | None:
+        """The requests' model field for one engine ("stock" or "candidate"), or None to ask the engine."""
+        return (self.stock_model if role == "stock" else self.candidate_model) or self.model
 
     def settings(self) -> dict:
         """The run's settings for the record (JSON-safe)."""

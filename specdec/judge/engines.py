@@ -164,6 +164,7 @@ class Engine:
         self.startup_timeout_s = startup_timeout_s
         self.url = spec.rstrip("/") if is_url(spec) else None
         self.proc: subprocess.Popen | None = None
+        self.argv: list[str] | None = None  # the command line as last launched (its port filled in)
         self.exit_codes: list[int] = []
         self.exited_on_its_own = False
         self.starts = 0
@@ -174,6 +175,11 @@ class Engine:
     @property
     def launched(self) -> bool:
         return not is_url(self.spec)
+
+    @property
+    def command(self) -> str:
+        """What runs: the command line as launched (the real port, not `{port}`), or the URL."""
+        return shlex.join(self.argv) if self.launched and self.argv else self.spec
 
     @property
     def up(self) -> bool:
@@ -191,7 +197,7 @@ class Engine:
         self._gpu_baseline = nvml().used_bytes() if nvml().available else None
         if self.launched:
             port = free_port()
-            argv = command_line(self.spec, port)
+            argv = self.argv = command_line(self.spec, port)
             self.url = f"http://127.0.0.1:{port}"
             with open(self.log_path, "a") as log:
                 log.write(f"\n$ {shlex.join(argv)}\n")

@@ -8,10 +8,14 @@ import io
 import json
 from pathlib import Path
 
+from specdec.judge.summary import headline, score_line, speed_lines
+
 STYLE = """
 body{font-family:system-ui,sans-serif;max-width:980px;margin:2em auto;color:#222;padding:0 1em}
 h1{font-size:1.3em;margin-bottom:.2em} .score{font-size:2.6em;font-weight:700;margin:.2em 0}
 .sub{color:#666} .fail{color:#b00020;font-weight:600} .pass{color:#1b7f3b;font-weight:600}
+.inconclusive{color:#9a6700;font-weight:600}
+.top{background:#fff8e1;border-left:4px solid #9a6700;padding:.6em 1em;margin:1em 0;white-space:pre-wrap}
 .reason{background:#fdecea;border-left:4px solid #b00020;padding:.6em 1em;margin:1em 0}
 table{border-collapse:collapse;margin:.6em 0 1.4em} td,th{border-bottom:1px solid #ddd;padding:.3em .8em;
 text-align:left} th{background:#f4f4f4} pre{background:#f7f7f7;padding:1em;overflow:auto;font-size:.8em}
@@ -72,14 +76,25 @@ def plots(record: dict) -> str:
     return out
 
 
+VERDICT_CLASS = {"pass": "pass", "fail": "fail", "inconclusive": "inconclusive", "not measurable": "inconclusive"}
+
+
+def verdict_cell(gate: dict) -> str:
+    verdict = gate.get("verdict") or ("pass" if gate["ok"] else "fail")
+    return f'<span class="{VERDICT_CLASS.get(verdict, "sub")}">{esc("FAIL" if verdict == "fail" else verdict)}</span>'
+
+
 def render(record: dict) -> str:
     ok = record.get("reason") is None
-    score = record.get("score")
-    parts = [f"<h1>{esc(record.get('title', 'specdec judge'))}</h1>",
+    verdict = record.get("verdict") or ("pass" if ok else "fail")
+    parts = [f'<div class="top {VERDICT_CLASS.get(verdict, "")}">{esc(chr(10).join(headline(record)))}</div>',
+             f"<h1>{esc(record.get('title', 'specdec judge'))}</h1>",
              f'<div class="score">SpecScore {num(record.get("specscore"), ".3f")}</div>',
              '<div class="sub">geometric mean of the three speedups (each the median of its passes); '
-             f'score {num(score, ".3f")}: <span class="{"pass" if ok else "fail"}">'
-             f'{"every gate check passed" if ok else "not awarded"}</span></div>']
+             f'score {num(record.get("score"), ".3f")}: <span class="{"pass" if ok else "fail"}">'
+             f'{"awarded: no gate refused it" if ok else "not awarded"}</span></div>',
+             f'<p class="sub">{esc(score_line(record))}</p>',
+             f'<p class="sub">scorer: {esc(record.get("scorer") or "the stock engine")}</p>']
     if not ok:
         parts.append(f'<div class="reason"><b>reason:</b> {esc(record["reason"])}</div>')
     ratios = record.get("ratios") or {}
@@ -94,10 +109,10 @@ def render(record: dict) -> str:
         lines.append(f"<li><b>{esc(name)}</b> {num(ratio.get('ratio'), '.3f')}× (passes {esc(passes or '–')}; "
                      f"concurrency {esc(row.get('concurrency'))}{esc(kv_text)})</li>")
     parts.append("<h2>Workloads</h2><ul>" + "".join(lines) + "</ul>")
-    gate_rows = [[esc(g["check"]), esc(g["measured"]), esc(g["limit"]),
-                  f'<span class="{"pass" if g["ok"] else "fail"}">{"pass" if g["ok"] else "FAIL"}</span>']
+    parts.append("<pre>" + esc("\n".join(speed_lines(record))) + "</pre>")
+    gate_rows = [[esc(g["check"]), esc(g["measured"]), esc(g["limit"]), verdict_cell(g), esc(g.get("power") or "")]
                  for g in record.get("gates") or []]
-    parts.append("<h2>Lossless gate</h2>" + (table(["check", "measured", "limit", "result"], gate_rows)
+    parts.append("<h2>Lossless gate</h2>" + (table(["check", "measured", "limit", "verdict", "power"], gate_rows)
                                              if gate_rows else "<p>not reached (see reason)</p>"))
     spec_rows = [[esc(w), num((record.get("acceptance") or {}).get(w), ".2f"),
                   num((workloads[w] or {}).get("acceptance_rate"), ".3f"),

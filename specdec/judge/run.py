@@ -19,8 +19,8 @@ from pathlib import Path
 import httpx
 
 from specdec.judge import gates, stats
-from specdec.judge.client import (ACCEPTED, DRAFTED, VERIFY_STEPS, EngineApi, RequestError, fetch_metrics,
-                                  fetch_metrics_sync, find_metric, http_get, kv_use, run_batch)
+from specdec.judge.client import (ACCEPTED, DRAFTED, VERIFY_STEPS, EngineApi, NoLogprobs, RequestError,
+                                  fetch_metrics, fetch_metrics_sync, find_metric, http_get, kv_use, run_batch)
 from specdec.judge.config import JudgeConfig, load_prompts
 from specdec.judge.engines import Engine, JudgeFailure, gpu_visible
 from specdec.judge.progress import Reporter
@@ -75,6 +75,14 @@ class Judge:
         self.scored: dict[str, list[gates.ScoredReply]] = {}
         self.token_counts: dict[str, float] = {}
         self.has_top = True
+        self.no_logprobs: set[str] = set()  # engines that answered a scoring request without log-probs
+        self.sampled_scored = False
+        self.scorer = None
+        if config.scorer is not None:
+            from specdec.judge.scoring import LocalScorer
+
+            self.reporter.say(f"scorer: loading {config.scorer}")
+            self.scorer = LocalScorer(config.scorer, config.scorer_device)
 
     # ---- the run ----
 
@@ -120,7 +128,7 @@ class Judge:
                 self.run_pass(role, workload, number)
         if role not in self.greedy:
             self.collect_gate_data(role)
-        if role == "stock" and self.sampled["candidate"] and not self.scored:
+        if role == "stock" and self.sampled["candidate"] and not self.sampled_scored:
             self.score_sampled()
 
     def bring_up(self, role: str) -> None:
@@ -128,10 +136,11 @@ class Judge:
         engine = self.engines[role]
         if engine.healthy:
             return
-        self.reporter.say(f"[bold]{role}[/]: starting {engine.spec}")
-        engine.start()
+        engine.launch()
+        self.reporter.say(f"[bold]{role}[/]: {'starting' if engine.launched else 'using'} {engine.command}")
+        engine.ready()
         if role not in self.apis:
-            self.apis[role] = EngineApi(engine.url, self.config.model or model_name(engine.url),
+            self.apis[role] = EngineApi(engine.url, self.config.model_for(role) or model_name(engine.url),
                                         self.config.request_timeout_s)
         self.apis[role].base_url = engine.url
         n = min(self.config.concurrency, len(self.prompts))
@@ -228,35 +237,79 @@ class Judge:
 
     def collect_gate_data(self, role: str) -> None:
         c = self.config
-        bodies = [{"prompt": p, "max_tokens": c.max_tokens, "temperature": 0.0, "logprobs": 1, "seed": c.seed + i}
-                  for i, p in enumerate(self.gate_prompts)]
+        bodies = self.greedy_bodies(self.gate_prompts)
         replies, _ = self.batch(role, "greedy replies", bodies, c.concurrency)
         self.greedy[role] = replies
-        fixed, _ = self.batch(role, "fixed texts", [{"prompt": t} for t in self.fixed_texts], c.concurrency,
-                              score=True)
+        if self.scorer is not None:
+            self.fixed[role] = self.continue_fixed_texts(role)
+            return
+        try:
+            fixed, _ = self.batch(role, "fixed texts", [{"prompt": t} for t in self.fixed_texts], c.concurrency,
+                                  score=True)
+        except NoLogprobs:
+            self.no_logprobs.add(role)
+            self.reporter.say(f"{role}: the engine returns no prompt log-probs: the gates that need them are "
+                              "not measurable (give --scorer MODEL_DIR)")
+            return
         self.fixed[role] = fixed
 
+    def greedy_bodies(self, prompts: list[str]) -> list[dict]:
+        c = self.config
+        return [{"prompt": p, "max_tokens": c.max_tokens, "temperature": 0.0, "logprobs": 1, "seed": c.seed + i}
+                for i, p in enumerate(prompts)]
+
+    def continue_fixed_texts(self, role: str) -> list[gates.ScoredReply]:
+        """With a scorer: the engine's greedy continuation of each fixed text, scored by the scorer."""
+        if self.fixed_texts is self.gate_prompts:
+            replies = self.greedy[role]
+        else:
+            replies, _ = self.batch(role, "fixed texts' continuations", self.greedy_bodies(self.fixed_texts),
+                                    self.config.concurrency)
+        with self.reporter.batch(f"{'scorer':<9} {role} fixed texts", len(replies)) as bar:
+            return [self.scored_locally(t, r.text, bar) for t, r in zip(self.fixed_texts, replies)]
+
+    def scored_locally(self, prompt: str, reply: str, bar) -> gates.ScoredReply:
+        scored = self.scorer.score(prompt, reply)
+        bar.advance(scored.num_tokens)
+        return scored
+
     def score_sampled(self) -> None:
-        """The stock engine scores both engines' sampled replies (prompt + reply, through echo).
+        """The reference scores both engines' sampled replies: the stock engine (prompt + reply, through echo),
+        or the local scorer where one is given.
 
         The replies are those of the first workload's passes that both engines have run by now.
         """
+        self.sampled_scored = True
         numbers = sorted(set(self.sampled["stock"]) & set(self.sampled["candidate"]))
-        prompt_tokens: dict[str, int] = {}
         for role in ROLES:
             prompts = [p for n in numbers for p in self.sampled[role][n][0]]
             replies = [r for n in numbers for r in self.sampled[role][n][1]]
-            texts = [{"prompt": p + r.text} for p, r in zip(prompts, replies)]
-            scored, _ = self.batch("stock", f"scoring {role} replies", texts, self.config.concurrency, score=True)
-            if any(s.text_offset is None for s in scored) and not prompt_tokens:
-                unique = sorted(set(prompts))
-                counted, _ = self.batch("stock", "scoring prompts", [{"prompt": p} for p in unique],
-                                        self.config.concurrency, score=True)
-                prompt_tokens = {p: len(s.tokens) for p, s in zip(unique, counted)}
-            self.scored[role] = [gates.score_reply(s, len(p), prompt_tokens.get(p)) for p, s in zip(prompts, scored)]
-            self.has_top &= all(s.top_logprobs is not None for s in scored)
+            if self.scorer is not None:
+                with self.reporter.batch(f"{'scorer':<9} {role} replies", len(replies)) as bar:
+                    self.scored[role] = [self.scored_locally(p, r.text, bar) for p, r in zip(prompts, replies)]
+            elif "stock" in self.no_logprobs:
+                return
+            else:
+                try:
+                    self.scored[role] = self.scored_by_stock(role, prompts, replies)
+                except NoLogprobs:
+                    self.no_logprobs.add("stock")
+                    self.scored.clear()
+                    return
             retokenized = sum(s.num_tokens for s in self.scored[role])
             self.token_counts[role] = sum(r.completion_tokens for r in replies) / max(retokenized, 1)
+
+    def scored_by_stock(self, role: str, prompts: list[str], replies: list) -> list[gates.ScoredReply]:
+        texts = [{"prompt": p + r.text} for p, r in zip(prompts, replies)]
+        scored, _ = self.batch("stock", f"scoring {role} replies", texts, self.config.concurrency, score=True)
+        prompt_tokens: dict[str, int] = {}
+        if any(s.text_offset is None for s in scored):
+            unique = sorted(set(prompts))
+            counted, _ = self.batch("stock", "scoring prompts", [{"prompt": p} for p in unique],
+                                    self.config.concurrency, score=True)
+            prompt_tokens = {p: len(s.tokens) for p, s in zip(unique, counted)}
+        self.has_top &= all(s.top_logprobs is not None for s in scored)
+        return [gates.score_reply(s, len(p), prompt_tokens.get(p)) for p, s in zip(prompts, scored)]
 
     def batch(self, role: str, label: str, bodies: list[dict], concurrency: int, poll=None, score: bool = False):
         engine = self.engines[role]
@@ -265,6 +318,8 @@ class Judge:
                 return asyncio.run(run_batch(self.apis[role], bodies, concurrency,
                                              on_reply=lambda r: bar.advance(r.completion_tokens), poll=poll,
                                              score=score))
+            except NoLogprobs:
+                raise
             except RequestError as exc:
                 engine.check_alive(f"during {label}", grace_s=3.0 if exc.dropped else 0.0)  # a dying one drops first
                 raise JudgeFailure(f"{role} engine: a request failed during {label}: {exc}") from None
@@ -278,17 +333,38 @@ class Judge:
         checks: list[gates.Check] = []
         if reason is None:
             checks = self.evaluate(record)
-            failed = [f"{ch.name}: {ch.why}" for ch in checks if not ch.ok]
+            refused = [f"{ch.name}: {ch.why}" for ch in checks if not ch.ok]
             claimed = self.token_counts.get("candidate", 1.0) / max(self.token_counts.get("stock", 1.0), 1e-9)
             if claimed > TOKEN_COUNT_TOLERANCE:
-                failed.append(f"token counts: the candidate's usage.completion_tokens claim {claimed:.2f} x what "
-                              "its replies hold (by the stock tokenizer), against stock's own ratio")
-            if failed:
-                reason = "gate failed: " + "; ".join(failed)
+                refused.append(f"token counts: the candidate's usage.completion_tokens claim {claimed:.2f} x what "
+                               "its replies hold (by the reference's tokenizer), against stock's own ratio")
+            if refused:
+                failed = any(ch.verdict == gates.FAIL for ch in checks) or claimed > TOKEN_COUNT_TOLERANCE
+                reason = ("gate failed: " if failed else "gate not measurable: ") + "; ".join(refused)
         record["reason"] = reason
         record["score"] = record["specscore"] if reason is None else 0.0
-        record.update(self.extras(checks, seconds))
+        record.update(self.verdicts(checks, reason))
+        record.update(self.extras(checks, seconds, record["ratios"]))
         return rounded(record)
+
+    def verdicts(self, checks: list[gates.Check], reason: str | None) -> dict:
+        """The record's top: its verdict, the gates that could not tell, and what --quick cannot check."""
+        inconclusive = [{"check": ch.name, "why": ch.why, "power": ch.power} for ch in checks
+                        if ch.verdict == gates.INCONCLUSIVE]
+        unmeasured = [{"check": ch.name, "why": ch.why} for ch in checks if ch.verdict == gates.NOT_MEASURABLE]
+        if reason is not None:
+            verdict = gates.NOT_MEASURABLE if reason.startswith("gate not measurable") else gates.FAIL
+        else:
+            verdict = gates.INCONCLUSIVE if inconclusive else gates.PASS
+        quick = None
+        if self.config.quick:
+            replies = len(self.scored.get("candidate", []))
+            names = ", ".join(row["check"] for row in inconclusive)
+            quick = (f"--quick: {replies} sampled replies per engine and {len(self.fixed_texts)} fixed texts. "
+                     + (f"At this size {names} cannot tell a candidate within its bound from one outside it; "
+                        "run without --quick for a verdict on them." if inconclusive else
+                        "Every statistical gate resolved its bound even at this size."))
+        return {"verdict": verdict, "inconclusive": inconclusive, "not_measurable": unmeasured, "quick": quick}
 
     def evaluate(self, record: dict) -> list[gates.Check]:
         c, limits = self.config, self.config.limits
@@ -301,10 +377,16 @@ class Judge:
                                                self.engines["stock"].memory.peak_mib(), limits,
                                                self.engines["candidate"].launched)
         checks.append(check)
-        record["fidelity"], check = gates.fidelity(self.fixed["candidate"], self.fixed["stock"], limits)
+        record["fidelity"], check = self.fidelity()
         checks.append(check)
-        record["likelihood"], record["argmax"], pair = gates.likelihood_and_argmax(
-            self.scored["candidate"], self.scored["stock"], self.has_top, limits)
+        if self.scored:
+            record["likelihood"], record["argmax"], pair = gates.likelihood_and_argmax(
+                self.scored["candidate"], self.scored["stock"], self.scorer is not None or self.has_top, limits)
+        else:
+            pair = [gates.unmeasurable("sampled replies' likelihood", "likelihood",
+                                       f"95 % interval within ±{limits.likelihood_bound:g}"),
+                    gates.unmeasurable("share of first choices", "argmax",
+                                       f"95 % interval within ±{limits.argmax_bound:g}")]
         checks += pair
         use_tokens = all(r.tokens is not None for role in ROLES for r in self.greedy[role])
         sequences = {role: [r.tokens if use_tokens else list(r.text) for r in self.greedy[role]] for role in ROLES}
@@ -316,6 +398,17 @@ class Judge:
         record["acceptance"] = {w: self.acceptance(w) for w in workloads}
         return checks
 
+    def fidelity(self) -> tuple[float | None, gates.Check]:
+        limits = self.config.limits
+        if self.scorer is not None:
+            return gates.fidelity_by_reference(self.fixed["candidate"], self.fixed["stock"], limits)
+        if self.no_logprobs:
+            engines = " and ".join(sorted(self.no_logprobs))
+            return None, gates.unmeasurable("fixed texts' log-probabilities", "fidelity",
+                                            f"≤ {limits.fidelity_ceiling:g}",
+                                            gates.NO_LOGPROBS.replace("this engine", f"this engine ({engines})"))
+        return gates.fidelity(self.fixed["candidate"], self.fixed["stock"], limits)
+
     def acceptance(self, workload: str) -> float | None:
         """Tokens per verify step of the candidate: 1 + accepted / steps (or tokens / steps)."""
         total = self.counters["candidate"][workload]
@@ -325,7 +418,7 @@ class Judge:
             return 1.0 + total["accepted"] / total["steps"]
         return total["tokens"] / total["steps"]
 
-    def extras(self, checks: list[gates.Check], seconds: float) -> dict:
+    def extras(self, checks: list[gates.Check], seconds: float, ratios: dict | None) -> dict:
         c = self.config
         workloads = {}
         for w in c.workloads:
@@ -341,8 +434,12 @@ class Judge:
             }
         return {
             "title": c.title or self.title(),
-            "gates": [{"check": ch.name, "key": ch.key, "measured": ch.measured, "limit": ch.limit, "ok": ch.ok}
-                      for ch in checks],
+            "gates": [ch.row() for ch in checks],
+            "speed": speed_summary(ratios),
+            "models": {role: self.apis[role].model if role in self.apis else c.model_for(role) for role in ROLES},
+            "scorer": self.scorer.describe() if self.scorer is not None else
+            ("none: the stock engine gives no prompt log-probs" if "stock" in self.no_logprobs else
+             "the stock engine (echo + logprobs)"),
             "workloads": workloads,
             "gate_replies": {"workload": c.workloads[0], "passes": sorted(set(self.sampled["stock"])
                                                                           & set(self.sampled["candidate"])),
@@ -358,6 +455,15 @@ class Judge:
     def title(self) -> str:
         model = self.apis["stock"].model if "stock" in self.apis else "model"
         return f"{model} · {speculator_name(self.config.candidate)}"
+
+
+def speed_summary(ratios: dict | None) -> dict | None:
+    """Paired rounds and their spread (stats.paired_rounds), and each workload's pass-to-pass spread."""
+    if not ratios:
+        return None
+    summary = stats.paired_rounds(ratios)
+    summary["workloads"] = {w: stats.workload_spread(row["passes"], row["ratio"]) for w, row in ratios.items()}
+    return summary
 
 
 def mean_over_passes(by_pass: dict[int, list[int]]) -> list[float]:

@@ -61,6 +61,46 @@ def gap_with_se(candidate: tuple[float, float], stock: tuple[float, float]) -> d
     return {"gap": c_mean - s_mean, "se": math.sqrt(c_se ** 2 + s_se ** 2), "candidate": c_mean, "stock": s_mean}
 
 
+def paired_gap_with_se(candidate_sums: Sequence[float], candidate_counts: Sequence[float],
+                       stock_sums: Sequence[float], stock_counts: Sequence[float]) -> dict:
+    """The gap of two pooled means over paired replies (pair i: the same prompt and seed on both engines).
+
+    The standard error comes from the per-pair differences of the two ratio estimators' linearized residuals,
+    so what the prompts share (some prompts are simply likelier than others) cancels out of it.  Pairs where
+    either reply has no tokens are dropped.
+    """
+    c_y, c_n, s_y, s_n = (np.asarray(v, dtype=float) for v in (candidate_sums, candidate_counts, stock_sums,
+                                                                stock_counts))
+    if not len(c_y) == len(c_n) == len(s_y) == len(s_n):
+        raise ValueError("paired replies need the same number of candidate and stock rows")
+    keep = (c_n > 0) & (s_n > 0)
+    c_y, c_n, s_y, s_n = c_y[keep], c_n[keep], s_y[keep], s_n[keep]
+    if len(c_n) == 0:
+        return {"gap": math.nan, "se": math.nan, "candidate": math.nan, "stock": math.nan}
+    c_mean, s_mean = c_y.sum() / c_n.sum(), s_y.sum() / s_n.sum()
+    k = len(c_n)
+    se = math.inf
+    if k >= 2:
+        diff = (c_y - c_mean * c_n) / c_n.mean() - (s_y - s_mean * s_n) / s_n.mean()
+        se = float(math.sqrt((diff ** 2).sum() / (k * (k - 1))))
+    return {"gap": float(c_mean - s_mean), "se": se, "candidate": float(c_mean), "stock": float(s_mean)}
+
+
+PASS, FAIL, INCONCLUSIVE = "pass", "fail", "inconclusive"
+
+
+def band_verdict(low: float, high: float, band_low: float, band_high: float) -> str:
+    """pass: the interval [low, high] lies inside the band; fail: wholly outside it; inconclusive: it straddles
+    an edge, so the data fit a candidate inside the band and one outside it alike."""
+    if not (math.isfinite(low) and math.isfinite(high)):
+        return INCONCLUSIVE
+    if high < band_low or low > band_high:
+        return FAIL
+    if band_low <= low and high <= band_high:
+        return PASS
+    return INCONCLUSIVE
+
+
 def outside_band(gap: float, se: float, bound: float) -> bool:
     """True when the 95 % interval gap ± 1.96·se lies wholly outside [-bound, +bound]."""
     if not (math.isfinite(gap) and math.isfinite(se)):
@@ -89,3 +129,36 @@ def common_prefix_share(candidate: Sequence, stock: Sequence) -> float:
     if not stock:
         return 1.0 if not candidate else 0.0
     return common_prefix_length(candidate, stock) / len(stock)
+
+
+CANNOT_TELL = "cannot tell"
+
+
+def paired_rounds(ratios: dict[str, dict]) -> dict:
+    """What the paired rounds say about speed.
+
+    Round i is pass i of every workload, stock and candidate measured close together; its score is the
+    geometric mean of the workloads' pass-i ratios.  `spread` is the highest round's score minus the lowest;
+    `effect` is SpecScore - 1.  A speedup (or slowdown) is claimed only when every round lies on the same
+    side of 1 and the spread is narrower than the effect; otherwise the verdict is "cannot tell".
+    """
+    passes = [row["passes"] for row in ratios.values()]
+    count = min((len(p) for p in passes), default=0)
+    rounds = [geometric_mean([p[i] for p in passes]) for i in range(count)]
+    score = geometric_mean([row["ratio"] for row in ratios.values()]) if ratios else math.nan
+    if not rounds:
+        return {"rounds": [], "low": None, "high": None, "spread": None, "effect": None, "verdict": CANNOT_TELL,
+                "spread_wider_than_effect": True}
+    low, high, effect = min(rounds), max(rounds), score - 1.0
+    spread = high - low
+    wide = spread >= abs(effect)
+    one_side = low > 1.0 or high < 1.0
+    verdict = CANNOT_TELL if wide or not one_side or count < 2 else ("faster" if effect > 0 else "slower")
+    return {"rounds": rounds, "low": low, "high": high, "spread": spread, "effect": effect, "verdict": verdict,
+            "spread_wider_than_effect": wide}
+
+
+def workload_spread(passes: Sequence[float], ratio: float) -> dict:
+    """One workload's pass-to-pass spread (highest pass ratio - lowest) against its effect (ratio - 1)."""
+    spread = max(passes) - min(passes) if passes else math.nan
+    return {"spread": spread, "effect": ratio - 1.0, "spread_wider_than_effect": not spread < abs(ratio - 1.0)}
