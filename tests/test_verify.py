@@ -507,6 +507,14 @@ def test_deterministic_drafter_output_follows_target():
         _assert_follows(col[col >= 0], p[j], what=f"position {j}")
 
 
+def _assert_mean_accepted_matches_theory(out, alpha, k):
+    """The mean number of accepted drafts per row is expected_accepted_tokens(alpha, k), within 4 SE."""
+    n_accepted = (_layout(out) - 1).double()
+    mean, se = n_accepted.mean().item(), n_accepted.std().item() / math.sqrt(out.shape[0])
+    theory = expected_accepted_tokens(alpha, k)
+    assert abs(mean - theory) < 4 * se, (mean, theory, se)
+
+
 def test_mean_accepted_matches_theory():
     gen = torch.Generator().manual_seed(17)
     batch, k, vocab = 200_000, 4, 10
@@ -517,13 +525,12 @@ def test_mean_accepted_matches_theory():
     drafts = _draw(q, batch * k, gen).view(batch, k)
     torch.manual_seed(17)
     out = accept(drafts, q.expand(batch, k, vocab), p.expand(batch, k + 1, vocab))
-    n_accepted = (_layout(out) - 1).double()
-    mean, se = n_accepted.mean().item(), n_accepted.std().item() / math.sqrt(batch)
-    theory = expected_accepted_tokens(alpha, k)
-    assert abs(mean - theory) < 4 * se, (mean, theory, se)
+    _assert_mean_accepted_matches_theory(out, alpha, k)
     # With p the same at every position, every output position follows p.
     for j in range(k + 1):
         col = out[:, j]
         _assert_follows(col[col >= 0], p, what=f"position {j}")
-    # Negative control: a sampler that always accepts has mean K, far outside.
-    assert abs(k - theory) > 4 * se
+    # Negative control: a verify that accepts every draft fails the same check.
+    broken = _accept_all(drafts, p.expand(1, k + 1, vocab), gen)
+    with pytest.raises(AssertionError):
+        _assert_mean_accepted_matches_theory(broken, alpha, k)
