@@ -60,3 +60,22 @@ def test_inflated_token_claims_are_refused(tmp_path):
     record = judge_fakes(tmp_path, (), ("--mode", "inflate"), **GATE_RUN)
     assert record["score"] == 0.0 and "token counts" in record["reason"]
     assert record["token_counts"]["candidate"] == pytest.approx(2 * record["token_counts"]["stock"])
+
+
+@pytest.mark.parametrize("size, verdict", [("default", "fail"), ("quick", "inconclusive")])
+def test_a_different_model_under_the_same_name_is_refused_or_inconclusive_never_passed(tmp_path, size, verdict):
+    """The candidate serves another toy model (a second table mixed in at 0.35) under stock's name.  At the
+    default size the sampled-reply gates refuse it on their own; at --quick size they cannot tell and say so."""
+    from specdec.judge.config import QUICK
+
+    sized = dict(QUICK) if size == "quick" else dict(num_prompts=None, max_tokens=128, gate_prompts=32,
+                                                     concurrency=16)
+    record = judge_fakes(tmp_path, ("--token-ms", "0.05"), ("--token-ms", "0.05", "--variant", "0.35"),
+                         workloads=("solo",), passes=3, quick=size == "quick", **sized)
+    verdicts = {g["key"]: g["verdict"] for g in record["gates"]}
+    assert verdicts["likelihood"] == verdicts["argmax"] == verdict, record["gates"]
+    assert record["score"] == 0.0 and record["verdict"] == "fail"  # the fixed texts' check catches it too
+    if size == "quick":
+        assert {row["check"] for row in record["inconclusive"]} >= {"sampled replies' likelihood",
+                                                                     "share of first choices"}
+        assert "cannot tell" in record["quick"] and "x the bound" in record["inconclusive"][0]["power"]

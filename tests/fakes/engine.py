@@ -47,9 +47,11 @@ def word_id(token: str) -> int:
 
 
 class ToyModel:
-    def __init__(self, seed: int = 1234, scale: float = 2.5, eos_shift: float = -1.0):
+    def __init__(self, seed: int = 1234, scale: float = 2.5, eos_shift: float = -1.0, variant: float = 0.0):
         rng = np.random.default_rng(seed)
         logits = rng.normal(0.0, scale, size=(len(WORDS), len(WORDS) + 1))
+        if variant:  # a different model under the same name: another table mixed in
+            logits += variant * np.random.default_rng(seed + 1).normal(0.0, scale, size=logits.shape)
         logits[:, EOS] += eos_shift
         self.logprobs = logits - np.log(np.exp(logits).sum(axis=1, keepdims=True))
 
@@ -79,7 +81,7 @@ class ToyModel:
 class Fake:
     def __init__(self, args):
         self.args = args
-        self.model = ToyModel()
+        self.model = ToyModel(variant=args.variant)
         self.lock = threading.Lock()
         self.kv_in_use = 0
         self.kv_recent: list[tuple[float, int]] = []  # (time, tokens in use) over the last KV_WINDOW_S
@@ -246,6 +248,8 @@ def main(argv=None) -> int:
     parser.add_argument("--startup-s", type=float, default=0.0, help="answer /health 503 this long")
     parser.add_argument("--crash-after", type=int, default=0, help="exit(4) on the request after this many")
     parser.add_argument("--no-metrics", action="store_true")
+    parser.add_argument("--variant", type=float, default=0.0,
+                        help="serve a different model under the same name: this weight of a second table mixed in")
     args = parser.parse_args(argv)
     if args.mode == "crash":
         print("fake engine: failing to load the model (mode crash)", file=sys.stderr, flush=True)
