@@ -9,6 +9,7 @@
 #   specpiece    the same with piecewise graphs for eager steps and no transformers peer
 #   specsteps    bench/spec_steps.py: batch-1 step times by k and engine memory, twin target and drafter (issues 4, 11)
 #   attnshapes   bench/attention_shapes.py: first and steady cost of attention at new shapes, cuDNN vs any-shape
+#   attnkernel   bench/attention_kernel.py: the Triton paged-attention kernel vs gather + SDPA, 8B heads, decode/verify
 #   eager        bench/eager_steps.py: eager step cost, compiled vs plain pieces vs piecewise graphs (issue 4)
 #   draftverify  bench/draft_verify.py: ref-draft over /draft, tau and serving time at concurrency 32 (issue 8)
 # Usage on the device:  STAGES="judge twin" SPECDEC_COMMIT=<sha> bash bench/gpu_all.sh "$OUT"   (.whl carried)
@@ -39,6 +40,7 @@ for s in $STAGES; do
     specpiece) stage specpiece ${SPEC_STAGE_S:-200} python3 bench/speculative.py --out "$OUT/speculative-piecewise-h200.json" --piecewise --no-peer $SPEC_ARGS ;;
     specsteps) stage specsteps ${STEPS_STAGE_S:-150} python3 bench/spec_steps.py --out "$OUT/spec-steps-h200.json" $STEPS_ARGS ;;
     attnshapes) stage attnshapes 60 python3 bench/attention_shapes.py --out "$OUT/attention-shapes-h200.json" ;;
+    attnkernel) stage attnkernel 90 python3 bench/attention_kernel.py --out "$OUT/attention-kernel-h200.json" ;;
     eager) stage eager ${EAGER_STAGE_S:-150} python3 bench/eager_steps.py --out "$OUT/eager-steps-h200.json" ;;
     draftverify) stage draftverify ${DV_STAGE_S:-150} python3 bench/draft_verify.py --device cuda --out "$OUT/draft-verify-h200.json" $DV_ARGS ;;
     *) echo "unknown stage $s" ;;
