@@ -1,0 +1,391 @@
+"""``specdec train head``: an EAGLE-3 draft head for a target, trained on the target's own continuations.
+
+1. Prompts from each ``--prompts`` source (train/data.py), checked against the held-out set (never trained on).
+2. Continuations by this project's engine: half the prompts greedy, half sampled at temperature 1 (each from a
+   seed of its own), cached as shards under ``OUT/continuations-greedy/`` and ``OUT/continuations-t1/``.
+3. The draft vocabulary: the ``--draft-vocab`` most frequent tokens of the training sequences (d2t / t2d).
+4. Training: features (the target's residual stream entering its three feature layers) and the target's
+   next-token distributions from the live target, every batch; the training-time test (``train/head_loss.py``:
+   ``--ttt-steps`` unrolled steps, a loss at each, the cross-entropy against the target's distribution, i.e.
+   the KL up to a constant); AdamW, warm-up and cosine decay; a checkpoint every ``--checkpoint-every`` steps
+   (a rerun with the same ``--out`` resumes); a progress bar.
+5. Held-out greedy acceptance per draft position (teacher-forced unrolling: step s at root r counts while
+   steps 0..s - 1 matched, which is what greedy drafting accepts) at the start and end.
+6. Exports in the published EAGLE-3 layout: ``OUT/export/bf16`` and ``OUT/export/fp8``, each with
+   ``weights.sha256.json``; ``OUT/DATA_MANIFEST.md``, ``OUT/train_log.jsonl``, ``OUT/run.json``, ``OUT/result.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from specdec.models.eagle3 import Eagle3Head, default_feature_layers, random_head, save_eagle3_head
+from specdec.models.fused import plain_kernels
+from specdec.train.checkpoint import Checkpoint, check_run_identity
+from specdec.train.data import check_overlap, generate_continuations, load_or_make_heldout, load_prompt_sources
+from specdec.train.head_loss import head_loss
+from specdec.train.lm import autocast, bar_interval, lr_factor, make_optimizer, pick_device
+from specdec.train.log import TrainLog
+
+FORMATS = ("bf16", "fp8")
+
+
+@dataclasses.dataclass
+class HeadRun:
+    target: str
+    sources: list[str]
+    out: str
+    heldout: str | None = None  # held-out set or prompts (default: the bundled prompts)
+    heldout_limit: int | None = None
+    heldout_max_tokens: int = 128
+    n_prompts: int = 4000  # per corpus source
+    min_prompt: int = 32
+    max_prompt: int = 384
+    max_new_tokens: int = 128
+    gen_batch_size: int = 256
+    draft_vocab: int | None = None  # None: the target's whole vocabulary
+    ttt_steps: int = 7
+    decay: float = 0.8
+    seq_len: int = 512
+    batch_size: int = 32
+    lr: float = 1e-3
+    max_steps: int = 1000
+    max_minutes: float | None = None  # stop training after this long (the exports follow)
+    warmup_steps: int = 50
+    checkpoint_every: int = 200
+    seed: int = 0
+    device: str | None = None
+    formats: tuple[str, ...] = FORMATS
+    drop_overlap: bool = False
+
+    def identity(self) -> dict[str, Any]:
+        return {"target": str(Path(self.target).resolve()), "sources": [str(Path(s).resolve()) for s in self.sources],
+                "n_prompts": self.n_prompts, "min_prompt": self.min_prompt, "max_prompt": self.max_prompt,
+                "max_new_tokens": self.max_new_tokens, "draft_vocab": self.draft_vocab, "seed": self.seed,
+                "seq_len": self.seq_len, "ttt_steps": self.ttt_steps}
+
+
+# ---------------------------------------------------------------------------------------------- data
+
+
+def make_records(run: HeadRun, log: TrainLog) -> tuple[list[dict], list[dict], dict, list[dict]]:
+    """(training records {id, prompt, continuation, sampled}, held-out conversations, held-out info, source rows)."""
+    from specdec.llm import LLM
+
+    engine: list = []
+
+    def llm_factory():
+        if not engine:
+            engine.append(LLM(run.target, device=run.device))
+        return engine[0]
+
+    out = Path(run.out)
+    heldout, heldout_info = load_or_make_heldout(run, llm_factory, log)
+    prompts, sources = load_prompt_sources(run.sources, Path(run.target), run.n_prompts, run.min_prompt,
+                                           run.max_prompt, run.seed)
+    kept = check_overlap(prompts, heldout, run.drop_overlap)
+    log("overlap-check", training_prompts=len(prompts), heldout=len(heldout), dropped=len(prompts) - len(kept))
+    greedy, sampled = kept[0::2], kept[1::2]
+    records = [dict(r, sampled=False) for r in generate_continuations(
+        llm_factory, greedy, out / "continuations-greedy", run.max_new_tokens, run.gen_batch_size, log)]
+    records += [dict(r, sampled=True) for r in generate_continuations(
+        llm_factory, sampled, out / "continuations-t1", run.max_new_tokens, run.gen_batch_size, log,
+        temperature=1.0, seed=run.seed)]
+    engine.clear()
+    return records, heldout, heldout_info, sources
+
+
+def draft_vocabulary(sequences: Sequence[np.ndarray], vocab_size: int, size: int | None) -> torch.Tensor:
+    """[size] the target ids of the draft vocabulary, ascending: the `size` most frequent tokens of the
+    sequences (ties by id), or every id."""
+    if size is None or size >= vocab_size:
+        return torch.arange(vocab_size)
+    counts = np.bincount(np.concatenate(list(sequences)), minlength=vocab_size)
+    order = np.lexsort((np.arange(vocab_size), -counts))  # most frequent first, then by id
+    return torch.from_numpy(np.sort(order[:size])).long()
+
+
+def set_vocabulary(head: Eagle3Head, target_ids: torch.Tensor) -> None:
+    """d2t / t2d for a draft vocabulary of these target ids (ascending)."""
+    with torch.no_grad():
+        head.d2t.copy_(target_ids.to(head.d2t.device) - torch.arange(len(target_ids), device=head.d2t.device))
+        head.t2d.zero_()
+        head.t2d[target_ids.to(head.t2d.device)] = True
+
+
+class SequenceBatcher:
+    """Random batches of [B, seq_len] token rows (prompt + continuation, right-padded) and their lengths."""
+
+    def __init__(self, sequences: list[np.ndarray], seq_len: int, batch_size: int, seed: int):
+        self.sequences = [s[:seq_len] for s in sequences if len(s) >= 3]
+        self.seq_len, self.batch_size = seq_len, batch_size
+        self.rng = np.random.default_rng(seed)
+
+    def next(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        picked = self.rng.integers(0, len(self.sequences), self.batch_size)
+        rows = [self.sequences[i] for i in picked]
+        width = max(len(r) for r in rows)
+        ids = np.zeros((len(rows), width), dtype=np.int64)
+        for i, r in enumerate(rows):
+            ids[i, :len(r)] = r
+        return torch.from_numpy(ids).to(device), torch.tensor([len(r) for r in rows], device=device)
+
+
+# ---------------------------------------------------------------------------------------------- the target side
+
+
+class TargetSignals:
+    """The frozen target (transformers): per batch, the head's inputs and targets."""
+
+    def __init__(self, target_dir: str, device: torch.device, layers: tuple[int, ...]):
+        from specdec.train.distill import load_model
+
+        self.model = load_model(target_dir, device).requires_grad_(False)
+        self.layers = layers
+        self.embedding = self.model.get_input_embeddings()
+
+    @torch.no_grad()
+    def __call__(self, ids: torch.Tensor, draft_ids: torch.Tensor):
+        """ids [B, T] -> (embed [B, T, H]: the embedding of token p + 1 at row p; features [B, T, 3H]: the target's
+        states at p; target log-probs [B, T, V_draft]: its distribution at p + 1 over the draft vocabulary)."""
+        out = self.model(ids, output_hidden_states=True)
+        features = torch.cat([out.hidden_states[j] for j in self.layers], dim=-1)
+        logprobs = out.logits[:, :, draft_ids].float().log_softmax(-1)
+        nxt = torch.cat([ids[:, 1:], ids[:, -1:]], dim=1)
+        return (self.embedding(nxt).float(), features.float(),
+                torch.cat([logprobs[:, 1:], logprobs[:, -1:]], dim=1))
+
+
+# ---------------------------------------------------------------------------------------------- measuring
+
+
+@torch.no_grad()
+def heldout_acceptance(head: Eagle3Head, signals: TargetSignals, heldout: Sequence[dict], steps: int,
+                       batch_size: int = 16) -> list[float]:
+    """Greedy acceptance per draft position on the held-out conversations: at position s, the share of chains
+    whose drafts 0..s - 1 were all accepted that also get draft s right (teacher-forced unrolling equals
+    greedy drafting while every earlier draft matched).  Only roots inside the continuation count."""
+    from specdec.train.head_loss import unrolled_logits
+
+    reached, accepted = np.zeros(steps), np.zeros(steps)
+    draft_ids = head.target_ids()
+    for first in range(0, len(heldout), batch_size):
+        convs = heldout[first:first + batch_size]
+        seqs = [list(c["prompt"]) + list(c["continuation"]) for c in convs]
+        width = max(len(s) for s in seqs)
+        ids = torch.zeros(len(seqs), width, dtype=torch.long, device=draft_ids.device)
+        for i, s in enumerate(seqs):
+            ids[i, :len(s)] = torch.tensor(s)
+        embed, features, target = signals(ids, draft_ids)
+        logits = unrolled_logits(head, embed, features, steps)
+        hits = torch.stack([(lg.argmax(-1) == target.argmax(-1)) for lg in logits]).cpu().numpy()  # [S, B, T]
+        for b, conv in enumerate(convs):
+            start, end = len(conv["prompt"]) - 2, len(seqs[b]) - 2  # roots predicting continuation tokens
+            for r in range(max(start, 0), end):
+                for s in range(min(steps, end - r)):
+                    reached[s] += 1
+                    if not hits[s, b, r + s]:
+                        break
+                    accepted[s] += 1
+    return [round(float(a / n), 4) if n else 0.0 for a, n in zip(accepted, reached)]
+
+
+# ---------------------------------------------------------------------------------------------- training
+
+
+def train(run: HeadRun, records: list[dict], heldout: list[dict], log: TrainLog, progress: bool = True) -> dict:
+    """The training loop (resumable); returns {steps, tokens, seconds, acceptance before/after, exports}."""
+    from specdec.models.loader import load_model
+
+    device = pick_device(run.device)
+    out = Path(run.out)
+    small = load_model(run.target, device, torch.float32)
+    layers = default_feature_layers(small.config.num_hidden_layers)
+    sequences = [np.asarray(r["prompt"] + r["continuation"], np.int64) for r in records if r["continuation"]]
+    vocab = draft_vocabulary(sequences, small.config.vocab_size, run.draft_vocab)
+    head = random_head(small, seed=run.seed, draft_vocab=len(vocab), feature_layers=layers)
+    head = head.float().requires_grad_(True)
+    head.embed_tokens = None  # the target's embedding comes with each batch; the export shares the target's
+    set_vocabulary(head, vocab)
+    signals = TargetSignals(run.target, device, layers)
+    del small
+    draft_ids = head.target_ids()
+    opt = make_optimizer(head, run.lr, 0.0, 0.95, device)
+    ckpt = Checkpoint(out / "checkpoint")
+    meta = ckpt.meta() if ckpt.exists() else {"step": 0, "tokens": 0, "seconds": 0.0, "history": []}
+    batcher = SequenceBatcher(sequences, run.seq_len, run.batch_size, run.seed)
+    if ckpt.exists():
+        ckpt.restore(head, opt)
+        batcher.rng.bit_generator.state = meta["rng"]
+        log("resume", step=meta["step"], tokens=meta["tokens"])
+    step, tokens, history = meta["step"], meta["tokens"], meta["history"]
+    if step == 0:
+        history.append(log("eval", step=0, acceptance=heldout_acceptance(head.eval(), signals, heldout,
+                                                                          run.ttt_steps)))
+    head.train()
+    budget_s = run.max_minutes * 60 if run.max_minutes else math.inf
+    started, elapsed0 = time.monotonic(), meta["seconds"]
+
+    def save() -> None:
+        ckpt.save(head, opt, {"step": step, "tokens": tokens, "history": history,
+                              "seconds": elapsed0 + time.monotonic() - started,
+                              "rng": batcher.rng.bit_generator.state})
+
+    bar = tqdm(total=run.max_steps, initial=step, desc="train head", unit="step", disable=not progress,
+               mininterval=bar_interval())
+    with plain_kernels():
+        while step < run.max_steps and elapsed0 + time.monotonic() - started < budget_s:
+            progress_done = max(step / run.max_steps, (elapsed0 + time.monotonic() - started) / budget_s)
+            lr = run.lr * lr_factor(step, progress_done, min(run.warmup_steps, run.max_steps // 10 or 1), 0.1)
+            for group in opt.param_groups:
+                group["lr"] = lr
+            ids, lengths = batcher.next(device)
+            embed, features, target = signals(ids, draft_ids)
+            with autocast(device):
+                loss, accuracy = head_loss(head, embed, features, target, lengths, run.ttt_steps, run.decay)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
+            opt.step()
+            step, tokens = step + 1, tokens + int(lengths.sum())
+            bar.update(1)
+            if step % 50 == 0 or step == run.max_steps:
+                log("train", step=step, tokens=tokens, lr=float(f"{lr:.4g}"), loss=round(loss.item(), 4),
+                    accuracy=[round(a, 3) for a in accuracy])
+            if step % run.checkpoint_every == 0:
+                save()
+    bar.close()
+    save()
+    head.eval()
+    history.append(log("eval", step=step, acceptance=heldout_acceptance(head, signals, heldout, run.ttt_steps)))
+    save()
+    exports = {fmt: export_head(head, out / "export" / fmt, fmt) for fmt in run.formats}
+    for fmt, e in exports.items():
+        log("export", format=fmt, dir=e["dir"], sha256=e["sha256"])
+    return {"steps": step, "tokens": tokens, "seconds": round(elapsed0 + time.monotonic() - started, 1),
+            "feature_layers": list(layers), "draft_vocab": len(vocab), "history": history, "exports": exports}
+
+
+def export_head(head: Eagle3Head, out_dir: Path, fmt: str) -> dict:
+    """One export in the published layout (bf16, or FP8 e4m3 projections with per-row scales)."""
+    from safetensors.torch import save_file
+
+    from specdec.models.provenance import write_weights_sha256
+    from specdec.models.quant import QUANT_METHOD, quantize_state
+
+    save_eagle3_head(head, out_dir, torch.bfloat16)
+    if fmt == "fp8":
+        state = {k: v for k, v in head.state_dict().items() if k not in ("d2t", "t2d")}
+        tensors, names = quantize_state(state, "fp8")
+        tensors.update(d2t=head.d2t.cpu(), t2d=head.t2d.cpu())
+        save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+        config = json.loads((out_dir / "config.json").read_text())
+        config["quantization_config"] = {"quant_method": QUANT_METHOD, "format": "fp8", "modules": sorted(names)}
+        (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return {"dir": str(out_dir), "sha256": write_weights_sha256(out_dir)}
+
+
+# ---------------------------------------------------------------------------------------------- provenance
+
+
+def write_manifest(run: HeadRun, sources: list[dict], heldout_info: dict, records: list[dict], summary: dict) -> Path:
+    greedy = [r for r in records if not r["sampled"]]
+    sampled = [r for r in records if r["sampled"]]
+    lines = [
+        "# DATA_MANIFEST (EAGLE-3 head)", "",
+        f"Written by `specdec train head` (specdec.train.head) for the target `{run.target}`.", "",
+        "## Training data", "",
+        "| source | kind | split | prompts | how |", "| --- | --- | --- | ---: | --- |",
+        *[f"| {s['source']} | {s['kind']} | {s['split']} | {s['prompts']} | {s['how']} |" for s in sources], "",
+        f"Continuations by the specdec engine (at most {run.max_new_tokens} tokens): {len(greedy)} greedy "
+        f"({sum(len(r['continuation']) for r in greedy)} tokens), {len(sampled)} sampled at temperature 1 with a "
+        f"seed per prompt from {run.seed} ({sum(len(r['continuation']) for r in sampled)} tokens).", "",
+        "## Held out (measured on, never trained on)", "",
+        f"- {heldout_info['source']} (sha256 {heldout_info['sha256']}): {heldout_info['conversations']} "
+        f"conversations, {heldout_info['tokens']} continuation tokens; {heldout_info['how']}",
+        "- Overlap check: no training prompt equals, is a prefix of or extends a held-out prompt.", "",
+        "## Head", "",
+        f"- Feature layers {summary['feature_layers']}, draft vocabulary {summary['draft_vocab']} tokens (the most "
+        "frequent of the training sequences), training-time test of "
+        f"{run.ttt_steps} steps (decay {run.decay}), {summary['steps']} steps, {summary['tokens']} tokens, "
+        f"{summary['seconds']} s.",
+        *[f"- Export {fmt}: `{e['dir']}`, sha256 {json.dumps(e['sha256'])}" for fmt, e in summary["exports"].items()],
+        "",
+    ]
+    path = Path(run.out) / "DATA_MANIFEST.md"
+    path.write_text("\n".join(lines))
+    return path
+
+
+def run_pipeline(run: HeadRun, progress: bool = True) -> dict:
+    out = Path(run.out)
+    out.mkdir(parents=True, exist_ok=True)
+    check_run_identity(run)
+    log = TrainLog(out / "train_log.jsonl", name="head")
+    records, heldout, heldout_info, sources = make_records(run, log)
+    summary = train(run, records, heldout, log, progress)
+    write_manifest(run, sources, heldout_info, records, summary)
+    history = summary["history"]
+    result = {"acceptance_before": history[0]["acceptance"], "acceptance_after": history[-1]["acceptance"],
+              **{k: summary[k] for k in ("steps", "tokens", "seconds", "feature_layers", "draft_vocab", "exports")}}
+    (out / "result.json").write_text(json.dumps(result, indent=1) + "\n")
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    from specdec.train.drafter import model_dir_arg
+
+    parser = argparse.ArgumentParser(prog="specdec train head", description=__doc__.split("\n")[0])
+    parser.add_argument("--target", required=True, help="target model directory or short name (ref-target)")
+    parser.add_argument("--prompts", nargs="+", required=True,
+                        help="prompt sources: corpus directories (train split) or JSON-lines files {id, prompt}")
+    parser.add_argument("--out", required=True, help="run directory (rerun with the same one to resume)")
+    parser.add_argument("--heldout", default=None, help="held-out set or prompts (default: the bundled prompts)")
+    parser.add_argument("--heldout-limit", type=int, default=None)
+    parser.add_argument("--n-prompts", type=int, default=4000, help="prompts per corpus source (half greedy, "
+                        "half sampled at temperature 1)")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--gen-batch-size", type=int, default=256)
+    parser.add_argument("--draft-vocab", type=int, default=None, help="draft vocabulary size (default: the target's)")
+    parser.add_argument("--ttt-steps", type=int, default=7, help="training-time test: unrolled steps (>= 1)")
+    parser.add_argument("--seq-len", type=int, default=512)
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--max-steps", type=int, default=1000)
+    parser.add_argument("--max-minutes", type=float, default=None, help="stop training after this long")
+    parser.add_argument("--checkpoint-every", type=int, default=200)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default=None)
+    parser.add_argument("--formats", nargs="+", default=list(FORMATS), choices=FORMATS)
+    parser.add_argument("--drop-overlap", action="store_true",
+                        help="leave out training prompts that overlap the held-out set (default: refuse to run)")
+    parser.add_argument("--no-progress", action="store_true")
+    args = parser.parse_args(argv)
+    if args.ttt_steps < 1 or args.max_steps < 1:
+        parser.error("--ttt-steps and --max-steps must be at least 1")
+    target = model_dir_arg(parser, "--target", args.target)
+    run = HeadRun(target, args.prompts, args.out, heldout=args.heldout, heldout_limit=args.heldout_limit,
+                  heldout_max_tokens=args.max_new_tokens, n_prompts=args.n_prompts,
+                  max_new_tokens=args.max_new_tokens, gen_batch_size=args.gen_batch_size,
+                  draft_vocab=args.draft_vocab, ttt_steps=args.ttt_steps, seq_len=args.seq_len,
+                  batch_size=args.batch_size, lr=args.lr, max_steps=args.max_steps, max_minutes=args.max_minutes,
+                  checkpoint_every=args.checkpoint_every, seed=args.seed, device=args.device,
+                  formats=tuple(args.formats), drop_overlap=args.drop_overlap)
+    result = run_pipeline(run, progress=not args.no_progress)
+    print(json.dumps({k: result[k] for k in ("acceptance_before", "acceptance_after", "steps", "tokens", "seconds")}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,113 @@
+"""The EAGLE-3 training-time test: the head unrolled on its own states for several steps, a loss at each.
+
+While drafting, a chain rooted at position r (the head has read the target's states up to r) runs step s
+at position r + s: the token input is the draft for position r + s + 1 and the state input is the head's
+own output of step s - 1 at position r + s - 1.  Teacher-forced, every root is trained at once: at step s,
+position p belongs to root p - s, its token input is x_{p+1} (the draft, if the earlier ones were right),
+its state input the step-(s - 1) output at p - 1, and it predicts x_{p+2}.  Its attention sees
+
+    the step-0 keys of the real positions 0 .. p - s            (what the head had read at the root)
+    the step-j key at position p - s + j, for j = 1 .. s        (its own chain so far; j = s is itself)
+
+Example, s = 2, p = 7: root 5; keys of step 0 at 0..5, of step 1 at 6, of step 2 at 7.
+
+The loss at step s is the cross-entropy of the head's distribution against the target's next-token
+distribution at p + 1 over the draft vocabulary (the KL up to a constant), weighted decay^s.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from specdec.models.eagle3 import Eagle3Head
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [B, T, heads, D] by cos/sin [T, 1, D] (rotate-half, as models/fused.rotate)."""
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
+
+
+def shift(x: torch.Tensor, n: int) -> torch.Tensor:
+    """x [B, T, ...] moved n positions later along T (row p holds x[p - n]); the first n rows are zeros."""
+    if n == 0:
+        return x
+    return torch.cat([x.new_zeros(x.shape[0], n, *x.shape[2:]), x[:, :-n]], dim=1)
+
+
+def unrolled_logits(head: Eagle3Head, embed: torch.Tensor, features: torch.Tensor, steps: int) -> list[torch.Tensor]:
+    """embed [B, T, H] (the embedding of token p + 1 at row p), features [B, T, 3 H_target] (the target's at p)
+    -> per step s < steps the head's logits [B, T, V_draft] at every position (rows p < s are meaningless)."""
+    layer, attn = head.midlayer, head.midlayer.self_attn
+    batch, tokens, _ = embed.shape
+    heads, kv_heads, dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
+    positions = torch.arange(tokens, device=embed.device)
+    cos, sin = (t.to(embed.dtype) for t in head.rotary.lookup(positions, embed.dtype))  # [T, 1, D]
+    normed_embed = layer.input_layernorm(embed)
+    state = head.fc(features)  # step 0's states [B, T, H]
+    keys, values, out = [], [], []
+    causal = positions[None, :] <= positions[:, None]  # [T(query), T(key)]
+    for s in range(steps):
+        normed = layer.hidden_norm(state)
+        residual = normed if head.config.norm_before_residual else state
+        x = torch.cat([normed_embed, normed], dim=-1)  # [B, T, 2H]
+        q = rotate(attn.q_proj(x).view(batch, tokens, heads, dim), cos, sin)
+        k = rotate(attn.k_proj(x).view(batch, tokens, kv_heads, dim), cos, sin)
+        v = attn.v_proj(x).view(batch, tokens, kv_heads, dim)
+        keys.append(k)
+        values.append(v)
+        attended = _chain_attention(q, keys, values, causal, s, attn.scale)  # [B, T, heads, D]
+        residual, h = layer.post_attention_layernorm.add_forward(residual, attn.o_proj(attended.flatten(2)))
+        prenorm = residual + layer.mlp(h)  # [B, T, H]
+        out.append(head.logits(prenorm))
+        state = shift(prenorm, 1)  # step s + 1 at p reads step s's output at p - 1
+    return out
+
+
+def _chain_attention(q, keys, values, causal, s: int, scale: float) -> torch.Tensor:
+    """Attention of step s's queries q [B, T, Hq, D] over the step-0 keys of positions <= p - s and the step-j
+    keys at position p - s + j (j = 1..s): see the module's note.  keys/values: one [B, T, Hkv, D] per step."""
+    group = q.shape[2] // keys[0].shape[2]
+
+    def expand(t):  # [B, T, Hkv, D] -> [B, T, Hq, D]: query head h reads kv head h // group
+        return t.repeat_interleave(group, dim=2)
+
+    k0, v0 = expand(keys[0]), expand(values[0])
+    scores0 = torch.einsum("bqhd,bkhd->bhqk", q, k0) * scale  # [B, Hq, T, T]
+    visible = shift(causal[None], s)[0] if s else causal  # row p: keys <= p - s
+    if s:
+        visible = visible.clone()
+        visible[:s, 0] = True  # rows of no root (p < s) see key 0, so softmax stays finite; their loss is 0
+    scores0 = scores0.masked_fill(~visible, float("-inf"))
+    chain_k = [expand(shift(keys[j], s - j)) for j in range(1, s + 1)]  # row p: step j's key at p - s + j
+    chain_v = [expand(shift(values[j], s - j)) for j in range(1, s + 1)]
+    diagonal = [torch.einsum("bqhd,bqhd->bhq", q, k)[..., None] * scale for k in chain_k]  # [B, Hq, T, 1]
+    weights = torch.cat([scores0, *diagonal], dim=-1).float().softmax(-1).to(q.dtype)  # [B, Hq, T, T + s]
+    out = torch.einsum("bhqk,bkhd->bqhd", weights[..., :q.shape[1]], v0)
+    for j, v in enumerate(chain_v):
+        out = out + weights[..., q.shape[1] + j].transpose(1, 2)[..., None] * v
+    return out
+
+
+def head_loss(head: Eagle3Head, embed: torch.Tensor, features: torch.Tensor, target_logprobs: torch.Tensor,
+              lengths: torch.Tensor, steps: int, decay: float = 0.8) -> tuple[torch.Tensor, list[float]]:
+    """(the weighted loss, per-step accuracy of the argmax against the target's).
+
+    target_logprobs [B, T, V_draft]: the target's log-distribution at row p + 1 over the draft vocabulary,
+    placed at row p (what position p's head output must predict); lengths [B]: real tokens per row.
+    Position p of step s counts when p >= s and p + 1 < length."""
+    logits = unrolled_logits(head, embed, features, steps)
+    positions = torch.arange(embed.shape[1], device=embed.device)
+    in_row = positions[None, :] + 1 < lengths[:, None]  # [B, T]
+    target_p = target_logprobs.float().exp()
+    total, accuracy, weight_sum = 0.0, [], 0.0
+    for s, step_logits in enumerate(logits):
+        mask = (in_row & (positions[None, :] >= s)).float()  # [B, T]
+        logq = F.log_softmax(step_logits.float(), dim=-1)
+        ce = -(target_p * logq).sum(-1)  # [B, T]
+        total = total + decay**s * (ce * mask).sum() / mask.sum().clamp(min=1)
+        weight_sum += decay**s
+        hit = (step_logits.argmax(-1) == target_logprobs.argmax(-1)).float()
+        accuracy.append(float((hit * mask).sum() / mask.sum().clamp(min=1)))
+    return total / weight_sum, accuracy

@@ -1,0 +1,135 @@
+"""`specdec train head`: the training-time test equals drafting, and the pipeline end to end at tiny scale."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from specdec import LLM, SamplingParams
+from specdec.engine.kv_cache import BlockManager
+from specdec.models.eagle3 import load_eagle3_head, random_head
+from specdec.models.loader import load_model
+from specdec.speculate import SpecConfig
+from specdec.speculate.eagle3 import Eagle3Speculator
+from specdec.train import head as pipeline
+from specdec.train.head_loss import unrolled_logits
+from tests.checkpoints import save_tiny
+from tests.test_train_drafter import _texts, _write_jsonl
+
+LAYERS = (0, 1, 1)
+
+
+def _signals(target_dir, ids):
+    import transformers
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        states = hf(ids, output_hidden_states=True).hidden_states
+    features = torch.cat([states[j] for j in LAYERS], -1)
+    nxt = torch.cat([ids[:, 1:], ids[:, -1:]], 1)
+    return hf.get_input_embeddings()(nxt).detach(), features
+
+
+def test_unrolled_training_steps_equal_drafting_with_teacher_tokens(qwen3_dir):
+    """Step s of the training-time test at position p is what the speculator computes when, having read the
+    target up to root p - s, it drafts s tokens that happen to be x_{p-s+2} .. x_{p+1}."""
+    target = load_model(qwen3_dir, "cpu", torch.float32)
+    head = random_head(target, seed=5, draft_vocab=64, std=0.3, feature_layers=LAYERS)
+    tokens = [5, 17, 30, 2, 9, 44, 61, 3, 8, 12, 70, 23]
+    ids = torch.tensor([tokens])
+    embed, features = _signals(qwen3_dir, ids)
+    with torch.no_grad():
+        unrolled = unrolled_logits(head, embed, features, 3)  # per step [1, T, V_draft]
+    blocks = BlockManager(16, 4)
+    spec = Eagle3Speculator(head, blocks, target.config.vocab_size, LAYERS)
+    block_ids = blocks.allocate(4)
+    for root in (2, 5, 7):
+        with torch.no_grad():  # read the target up to root, then chain with the teacher's tokens
+            state = spec._forward(torch.tensor(tokens[1:root + 2]), head.project(features[0, :root + 1]),
+                                  [(block_ids, 0, root + 1)])[-1:]
+            for s in range(3):
+                if s:
+                    state = spec._forward(torch.tensor([tokens[root + s + 1]]), state, [(block_ids, root + s, 1)])
+                torch.testing.assert_close(head.logits(state)[0], unrolled[s][0, root + s], atol=1e-4, rtol=1e-4)
+
+
+def test_draft_vocabulary_takes_the_most_frequent_tokens():
+    seqs = [np.array([3, 3, 3, 7, 7, 1]), np.array([7, 9, 3])]
+    assert pipeline.draft_vocabulary(seqs, 10, 2).tolist() == [3, 7]
+    assert pipeline.draft_vocabulary(seqs, 10, 3).tolist() == [1, 3, 7]  # 1 and 9 tie: the lower id
+    assert pipeline.draft_vocabulary(seqs, 10, None).tolist() == list(range(10))
+
+
+def sharpened(model_dir: Path, factor: float = 4.0) -> Path:
+    """The tiny random model with its final norm scaled: logits `factor` times larger, so its greedy choices are
+    clear (the plain tiny model is nearly uniform: entropy 4.2 nats of ln 96 = 4.6, no argmax to learn)."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        model.model.norm.weight.mul_(factor)
+    model.save_pretrained(model_dir)
+    return model_dir
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    base = tmp_path_factory.mktemp("head")
+    target = sharpened(save_tiny(base / "target", seed=0, num_hidden_layers=4))
+    heldout = _write_jsonl(base / "heldout.jsonl", [{"id": f"h{i}", "prompt": t} for i, t in enumerate(_texts(24, 7))])
+    prompts = _write_jsonl(base / "train.jsonl", [{"id": f"t{i}", "prompt": t} for i, t in enumerate(_texts(400, 3))])
+    run = pipeline.HeadRun(str(target), [str(prompts)], str(base / "run"), heldout=str(heldout),
+                           heldout_max_tokens=24, max_new_tokens=24, gen_batch_size=64, draft_vocab=80, ttt_steps=3,
+                           seq_len=64, batch_size=16, lr=1e-2, max_steps=300, warmup_steps=5, checkpoint_every=100,
+                           device="cpu")
+    result = pipeline.run_pipeline(run, progress=False)
+    return {"base": base, "target": target, "run": run, "result": result}
+
+
+def test_pipeline_trains_a_head_that_drafts_better_than_its_start(tiny):
+    result = tiny["result"]
+    before, after = result["acceptance_before"], result["acceptance_after"]
+    assert len(after) == 3 and result["steps"] == 300 and result["draft_vocab"] == 80
+    assert after[0] > before[0] + 0.2  # the first draft position, on ~500 held-out roots (after: ~0.3)
+    out = Path(tiny["run"].out)
+    events = [json.loads(line)["event"] for line in (out / "train_log.jsonl").read_text().splitlines()]
+    for event in ("overlap-check", "continuations", "train", "eval", "export"):
+        assert event in events
+    manifest = (out / "DATA_MANIFEST.md").read_text()
+    assert "greedy" in manifest and "temperature 1" in manifest and "sha256" in manifest
+    sampled = [json.loads(line) for line in (out / "continuations-t1").glob("*.jsonl").__next__().open()]
+    assert sampled and all(r["continuation"] for r in sampled)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8"])
+def test_exports_load_and_draft_losslessly(tiny, fmt):
+    export = tiny["result"]["exports"][fmt]["dir"]
+    target = load_model(tiny["target"], "cpu", torch.float32)
+    head = load_eagle3_head(export, target, torch.device("cpu"), torch.float32)
+    assert head.config.feature_layers == (2, 2, 1)  # the default for 4 layers, written into the config
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    prompts = [[5, 17, 30, 2, 9], [40, 41, 42], [7] * 9]
+    plain = [o.token_ids for o in LLM(tiny["target"], device="cpu", kv_cache_tokens=2048).generate(prompts, params)]
+    spec = LLM(tiny["target"], device="cpu", kv_cache_tokens=2048,
+               speculator=SpecConfig("eagle3", model=export, num_draft_tokens=3, adaptive=False))
+    outs = spec.generate(prompts, params)
+    assert [o.token_ids for o in outs] == plain
+    assert sum(o.num_accepted for o in outs) > 0
+
+
+def test_a_rerun_resumes_from_the_checkpoint(tiny, tmp_path):
+    import dataclasses
+    import shutil
+
+    run_dir = shutil.copytree(tiny["run"].out, tmp_path / "run")
+    run = dataclasses.replace(tiny["run"], out=str(run_dir), max_steps=310)
+    earlier = len((run_dir / "train_log.jsonl").read_text().splitlines())
+    result = pipeline.run_pipeline(run, progress=False)
+    assert result["steps"] == 310
+    events = [json.loads(line) for line in (run_dir / "train_log.jsonl").read_text().splitlines()[earlier:]]
+    assert any(e["event"] == "resume" and e["step"] == 300 for e in events)
+    assert not any(e["event"] == "continuations-shard" for e in events)  # continuations came from the cache
