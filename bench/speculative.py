@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import gc
 import json
 import statistics
@@ -34,6 +35,10 @@ CONFIGS = {
     "draft-k4": SpecConfig("draft", model="ref-draft", num_draft_tokens=4, adaptive=False),
     "ngram-adaptive-k8": SpecConfig("ngram", num_draft_tokens=8),
     "ngram-k4": SpecConfig("ngram", num_draft_tokens=4, adaptive=False),
+    "eagle3-adaptive-k7": SpecConfig("eagle3", model="ref-head", num_draft_tokens=7),
+    "eagle3-k3": SpecConfig("eagle3", model="ref-head", num_draft_tokens=3, adaptive=False),
+    "eagle3-k5": SpecConfig("eagle3", model="ref-head", num_draft_tokens=5, adaptive=False),
+    "eagle3-k7": SpecConfig("eagle3", model="ref-head", num_draft_tokens=7, adaptive=False),
 }
 
 
@@ -182,7 +187,11 @@ def main(argv=None) -> int:
                              "default: the engine's, on with CUDA graphs)")
     parser.add_argument("--profile", type=int, default=0, metavar="N",
                         help="also profile each load once more and keep its N costliest functions")
+    parser.add_argument("--head", default="ref-head", help="the EAGLE-3 head of the eagle3 configs")
     args = parser.parse_args(argv)
+    for name, config in CONFIGS.items():
+        if config is not None and config.method == "eagle3":
+            CONFIGS[name] = dataclasses.replace(config, model=args.head)
     device = torch.device(args.device)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0)
     names = args.configs.split(",")

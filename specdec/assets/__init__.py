@@ -2,6 +2,7 @@
 
 ``ref-target`` (a small Qwen3 causal LM) and ``ref-draft`` (a much smaller Qwen3 drafter with the same
 tokenizer) are Hugging Face directories under this package, built by ``bench/refpair.py``;
+``ref-head`` is the EAGLE-3 draft head of ``ref-target`` (``specdec train head``, ``bench/gpu_head.sh``);
 ``heldout-prompts.jsonl`` holds prefixes of held-out source files, one ``{"id", "prompt", ...}`` a line.
 """
 
@@ -11,7 +12,7 @@ import os
 from pathlib import Path
 
 ASSETS_DIR = Path(__file__).resolve().parent
-SHORT_NAMES = {"ref-target": "ref-target", "ref-draft": "ref-draft"}
+SHORT_NAMES = {"ref-target": "ref-target", "ref-draft": "ref-draft", "ref-head": "ref-head"}
 HELDOUT_PROMPTS = "heldout-prompts.jsonl"
 
 
@@ -30,6 +31,11 @@ def resolve_model(name_or_path: str | os.PathLike) -> Path:
     name = os.fspath(name_or_path)
     if name in SHORT_NAMES:
         path = short_name_path(name)
+        if not (path / "config.json").is_file() and name == "ref-head":
+            raise FileNotFoundError(
+                f"'ref-head' resolves to {path}, which holds no checkpoint (config.json) yet: train it with "
+                "`specdec train head --target ref-target --prompts CORPUS --out RUN` and copy RUN/export/bf16 "
+                "there, or pass an EAGLE-3 head directory")
         if not (path / "config.json").is_file():
             raise FileNotFoundError(
                 f"{name!r} resolves to {path}, which holds no checkpoint (config.json) yet: build the "

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# One GPU call for ref-head, the EAGLE-3 head of ref-target (issue 20): a corpus, `specdec train head`, then
+# acceptance per draft position against ref-draft and n-gram (bench/head_acceptance.py) and batch-1 speed
+# (bench/speculative.py), each stage with its own limit and never past ALL_LIMIT_S.  Works in /tmp/hd; brings
+# back the records, the logs and head.tar (the exports, manifest, result and training log).
+# Usage on the device:  bash bench/gpu_head.sh "$OUT"   (HEAD_ARGS adds to the training command's arguments)
+OUT=${1:-/tmp/out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
+LIMIT=${ALL_LIMIT_S:-585}; W=/tmp/hd
+nvidia-smi -L
+stage() {  # stage NAME SECONDS COMMAND...: at most SECONDS, and never past LIMIT
+  local name=$1 want=$2; shift 2
+  local left=$((LIMIT - SECONDS - 10))
+  [ "$left" -lt 20 ] && { echo "$name: skipped (no time left)"; return; }
+  [ "$want" -gt "$left" ] && want=$left
+  timeout "$want" "$@" > "$OUT/$name.log" 2>&1
+  echo "$name rc=$? at ${SECONDS}s"; grep -v "^{" "$OUT/$name.log" | grep -v "it/s\]" | tail -n 12
+}
+stage corpus 150 python3 -m specdec.data.corpus --out $W/corpus --max-bytes ${CORPUS_BYTES:-120000000} \
+  --heldout-fraction 0.03 --seed 0
+stage train_head 430 python3 -m specdec.cli train head --target ref-target --prompts $W/corpus --out $W/run \
+  --heldout bench/results/ref-target-heldout.jsonl --n-prompts ${N_PROMPTS:-5000} --max-minutes ${TRAIN_MIN:-4} \
+  --max-steps 100000 --checkpoint-every 500 --drop-overlap --no-progress $HEAD_ARGS
+HEAD=$W/run/export/bf16
+[ -f $HEAD/config.json ] && {
+  stage acceptance 100 python3 bench/head_acceptance.py --head $HEAD --out "$OUT/head-acceptance-h200.json"
+  stage speed 120 python3 bench/speculative.py --head $HEAD --concurrency 1 --rounds 2 --no-peer \
+    --configs plain,draft-adaptive-k8,ngram-adaptive-k8,eagle3-k3,eagle3-k5,eagle3-k7,eagle3-adaptive-k7 \
+    --out "$OUT/speculative-eagle3-h200.json"
+}
+cd $W/run 2>/dev/null && tar -cf "$OUT/head.tar" DATA_MANIFEST.md result.json run.json train_log.jsonl export
+ls -la "$OUT"

@@ -1,0 +1,92 @@
+#!/usr/bin/env python3
+"""Acceptance per draft position on the reference target: the EAGLE-3 head against ref-draft and n-gram.
+
+Every speculator drafts a fixed k (no controller) for the same held-out prompts, all at once, greedy and at
+temperature 1 (drafts at the request's own settings, exact rejection sampling).  From the engine's counters:
+  - conditional acceptance a_j: of the chains whose drafts 0..j-1 were accepted, the share accepting draft j;
+  - the share of verify steps accepting at least j + 1 drafts, and tau (tokens per verify step);
+  - greedy outputs equal to plain decoding's (bf16 on a GPU: batch-shape rounding may split rare ties).
+
+GPU run:      python3 bench/head_acceptance.py --head ref-head --out bench/results/head-acceptance-h200.json
+CPU dry run:  python3 bench/head_acceptance.py --device cpu --prompts 4 --max-tokens 16 --out /tmp/acc.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+import torch  # noqa: E402
+
+from bench.common import environment, write_json  # noqa: E402
+from bench.speculative import load_prompts  # noqa: E402
+from specdec import LLM, SamplingParams  # noqa: E402
+from specdec.speculate import SpecConfig  # noqa: E402
+
+
+def speculators(head: str, drafter: str, k: int) -> dict[str, SpecConfig]:
+    return {"eagle3": SpecConfig("eagle3", model=head, num_draft_tokens=k, adaptive=False),
+            "draft": SpecConfig("draft", model=drafter, num_draft_tokens=k, adaptive=False),
+            "ngram": SpecConfig("ngram", num_draft_tokens=k, adaptive=False)}
+
+
+def per_position(before: dict, after: dict, k: int) -> dict:
+    """Acceptance by draft position from two engine metric snapshots.
+
+    Example, k = 3, 10 steps with drafts, accepted_per_position [8, 4, 1]: a = [0.8, 0.5, 0.25],
+    at least j + 1 accepted = [0.8, 0.4, 0.1], tau = 1 + (8 + 4 + 1) / 10 = 2.3 (steps all with drafts)."""
+    steps = after["drafts"] - before["drafts"]
+    accepted = [a - b for a, b in zip(after["accepted_per_position"][:k], before["accepted_per_position"][:k])]
+    reached = [steps, *accepted[:-1]]
+    return {"steps_with_drafts": steps,
+            "conditional": [round(a / r, 4) if r else None for a, r in zip(accepted, reached)],
+            "at_least": [round(a / steps, 4) if steps else None for a in accepted],
+            "tau": round(1 + sum(accepted) / max(1, steps), 3),
+            "acceptance": round(sum(accepted) / max(1, steps * k), 4)}
+
+
+def measure(model: str, config: SpecConfig | None, prompts: list[str], params: SamplingParams, device: str,
+            k: int) -> tuple[dict, list[list[int]]]:
+    llm = LLM(model, device=device, speculator=config)
+    before = dict(llm.engine.metrics())
+    outs = llm.generate(prompts, params)
+    row = per_position(before, llm.engine.metrics(), k) if config is not None else {}
+    row["tokens"] = sum(len(o.token_ids) for o in outs)
+    del llm
+    return row, [o.token_ids for o in outs]
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--target", default="ref-target")
+    parser.add_argument("--head", default="ref-head", help="EAGLE-3 head directory or short name")
+    parser.add_argument("--drafter", default="ref-draft")
+    parser.add_argument("--k", type=int, default=7)
+    parser.add_argument("--prompts", type=int, default=64, help="held-out prompts (the bundled set)")
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--temperatures", default="0,1")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--out", default="bench/results/head-acceptance-h200.json")
+    args = parser.parse_args(argv)
+    prompts = load_prompts(args.prompts)
+    record = {"environment": environment(torch.device(args.device)), "target": args.target, "head": args.head, "drafter": args.drafter,
+              "k": args.k, "prompts": len(prompts), "max_tokens": args.max_tokens, "rows": {}}
+    for temperature in (float(t) for t in args.temperatures.split(",")):
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=temperature, ignore_eos=True, seed=0)
+        plain = measure(args.target, None, prompts, params, args.device, args.k)[1] if temperature == 0 else None
+        for name, config in speculators(args.head, args.drafter, args.k).items():
+            row, outputs = measure(args.target, config, prompts, params, args.device, args.k)
+            if plain is not None:
+                row["greedy_equal_to_plain"] = sum(o == p for o, p in zip(outputs, plain)) / len(plain)
+            record["rows"][f"{name}-t{temperature:g}"] = row
+            print(f"{name:7s} T={temperature:g}  tau {row['tau']:.2f}  a_j {row['conditional']}", flush=True)
+    write_json(args.out, record)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
