@@ -24,9 +24,10 @@ stage train_head 430 python3 -m specdec.cli train head --target ref-target --pro
 HEAD=$W/run/export/bf16
 [ -f $HEAD/config.json ] && {
   stage acceptance 100 python3 bench/head_acceptance.py --head $HEAD --out "$OUT/head-acceptance-h200.json"
-  stage speed 120 python3 bench/speculative.py --head $HEAD --concurrency 1 --rounds 2 --no-peer \
-    --configs plain,draft-adaptive-k8,ngram-adaptive-k8,eagle3-k3,eagle3-k5,eagle3-k7,eagle3-adaptive-k7 \
+  stage speed 170 python3 bench/speculative.py --head $HEAD --concurrency 1 --rounds 2 --no-peer \
+    --configs plain,draft-adaptive-k8,eagle3-k3,eagle3-k5,eagle3-adaptive-k7 \
     --out "$OUT/speculative-eagle3-h200.json"
 }
-cd $W/run 2>/dev/null && tar -cf "$OUT/head.tar" DATA_MANIFEST.md result.json run.json train_log.jsonl export
+cd $W/run 2>/dev/null && tar -cf "$OUT/head-bf16.tar" DATA_MANIFEST.md result.json run.json train_log.jsonl export/bf16 \
+  && tar -cf "$OUT/head-fp8.tar" export/fp8  # a file back is at most 16 MiB
 ls -la "$OUT"

@@ -51,7 +51,8 @@ def per_position(before: dict, after: dict, k: int) -> dict:
 
 def measure(model: str, config: SpecConfig | None, prompts: list[str], params: SamplingParams, device: str,
             k: int) -> tuple[dict, list[list[int]]]:
-    llm = LLM(model, device=device, speculator=config)
+    # counts only, so no CUDA graphs to capture; a fixed KV size, as the engines run one after another
+    llm = LLM(model, device=device, speculator=config, kv_cache_tokens=65536, cuda_graphs=False)
     before = dict(llm.engine.metrics())
     outs = llm.generate(prompts, params)
     row = per_position(before, llm.engine.metrics(), k) if config is not None else {}

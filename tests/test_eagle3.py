@@ -184,3 +184,22 @@ def test_a_head_with_a_missing_weight_is_refused(qwen3_dir, head_dir, tmp_path):
     save_file(state, str(bad / "model.safetensors"))
     with pytest.raises(ModelLoadError, match="fc.weight"):
         eagle_llm(qwen3_dir, bad)
+
+
+def test_a_kv_cache_sized_from_free_memory_leaves_the_head_room_for_as_many_blocks(qwen3_dir, head_dir,
+                                                                                    monkeypatch):
+    from specdec.engine.kv_cache import KVCache, num_blocks_for
+    from specdec.models.config import ModelConfig
+    from specdec.speculate.build import head_kv_bytes_per_token
+
+    head = json.loads((head_dir / "config.json").read_text())
+    per_token = head_kv_bytes_per_token(SpecConfig("eagle3", model=str(head_dir)), torch.float32)
+    assert per_token == 2 * head["num_key_value_heads"] * head["head_dim"] * 4  # one layer, float32
+    assert head_kv_bytes_per_token(SpecConfig("eagle3", model=str(head_dir), draft_twin="qwen3-8b"),
+                                   torch.bfloat16) == 2 * 8 * 128 * 2  # the twin head's layer
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (64 << 30, 80 << 30))
+    target = ModelConfig.from_dict(json.loads((qwen3_dir / "config.json").read_text()))
+    target_bytes = KVCache.bytes_per_token(target, torch.float32)
+    alone = num_blocks_for(target, 16, torch.float32, torch.device("cuda"), None, 0.9)
+    shared = num_blocks_for(target, 16, torch.float32, torch.device("cuda"), None, 0.9, 0, per_token)
+    assert abs(shared - alone * target_bytes / (target_bytes + per_token)) <= 1  # one budget, both caches in it

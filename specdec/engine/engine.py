@@ -23,6 +23,9 @@ class EngineConfig:
     block_size: int = 16
     kv_cache_tokens: int | None = None  # None: from free device memory (GPU) or 32k tokens (CPU)
     gpu_memory_utilization: float = 0.9  # share of free memory after the weights; less the largest step's need
+    # KV bytes per token of caches indexed by the target's block tables (an EAGLE-3 head's): a KV cache sized
+    # from free memory leaves them room for as many blocks
+    shared_kv_bytes_per_token: int = 0
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 256
     # Admit waiting requests once this many sequence slots are free (while others decode), coalescing the
@@ -95,7 +98,7 @@ class Engine:
             if self.piecewise_graphs:  # the pieces' private graph pool holds a widest step's temporaries too
                 step_bytes *= 2
         num_blocks = num_blocks_for(mc, config.block_size, dtype, self.device, config.kv_cache_tokens,
-                                    config.gpu_memory_utilization, step_bytes)
+                                    config.gpu_memory_utilization, step_bytes, config.shared_kv_bytes_per_token)
         self.kv_cache = KVCache(mc, num_blocks, config.block_size, self.device, dtype)
         self.blocks = BlockManager(num_blocks, config.block_size)
         if config.fused_kernels is not False and self.device.type == "cuda":

@@ -200,8 +200,10 @@ class KVCache:
 
 
 def num_blocks_for(config: ModelConfig, block_size: int, dtype: torch.dtype, device: torch.device,
-                   kv_cache_tokens: int | None, memory_fraction: float, step_bytes: int = 0) -> int:
-    """Blocks from a token budget, or from the device's free memory (see engine/memory.py)."""
+                   kv_cache_tokens: int | None, memory_fraction: float, step_bytes: int = 0,
+                   shared_bytes_per_token: int = 0) -> int:
+    """Blocks from a token budget, or from the device's free memory (see engine/memory.py), where each token
+    also pays `shared_bytes_per_token` for the caches that share the block tables."""
     if kv_cache_tokens is not None:
         return max(1, math.ceil(kv_cache_tokens / block_size))
     if device.type == "cuda":
@@ -212,4 +214,4 @@ def num_blocks_for(config: ModelConfig, block_size: int, dtype: torch.dtype, dev
     else:  # CPU: 32k tokens, at most 1 GiB
         tokens = min(32768, (1 << 30) // KVCache.bytes_per_token(config, dtype))
         return max(1, tokens // block_size)
-    return max(1, budget // (KVCache.bytes_per_token(config, dtype) * block_size))
+    return max(1, budget // ((KVCache.bytes_per_token(config, dtype) + shared_bytes_per_token) * block_size))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -12,7 +13,7 @@ from specdec.engine.kv_cache import BlockManager
 from specdec.engine.runner import ModelRunner
 from specdec.engine.scheduler import ScheduledSeq
 from specdec.engine.request import Request
-from specdec.errors import ConfigError
+from specdec.errors import ConfigError, ModelLoadError
 from specdec.models.loader import load_model
 from specdec.sampling import SamplingParams
 from specdec.speculate.base import Speculator
@@ -90,6 +91,27 @@ def _draft_speculator(config: SpecConfig, llm):
                                 max_context=llm.engine.graph_context_bound,
                                 piecewise=llm.engine.piecewise_graphs,
                                 cuda_graphs=llm.engine.config.cuda_graphs)
+
+
+def head_kv_bytes_per_token(config: SpecConfig, dtype: torch.dtype) -> int:
+    """KV bytes per token of an EAGLE-3 head's one-layer cache (of its twin's shape under draft_twin), which
+    the target's KV budget must leave room for; 0 when the head's config cannot be read (loading it says why)."""
+    from specdec.assets import resolve_model
+    from specdec.engine.kv_cache import KVCache
+    from specdec.models.eagle3 import Eagle3Config
+
+    try:
+        raw = json.loads((resolve_model(config.model) / "config.json").read_text())
+        layer = Eagle3Config.from_dict(raw).layer
+    except (FileNotFoundError, ValueError, ModelLoadError, ConfigError):
+        return 0
+    if config.draft_twin:
+        from specdec.models.twin import SHAPES
+
+        shape = SHAPES.get(config.draft_twin, {})
+        layer = dataclasses.replace(layer, head_dim=shape.get("head_dim", layer.head_dim),
+                                    num_key_value_heads=shape.get("num_key_value_heads", layer.num_key_value_heads))
+    return KVCache.bytes_per_token(layer, dtype)
 
 
 def _eagle3_speculator(config: SpecConfig, llm):
