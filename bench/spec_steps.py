@@ -127,6 +127,8 @@ def main(argv=None) -> int:
     parser.add_argument("--target-twin", default="qwen3-8b")
     parser.add_argument("--draft", default="ref-draft")
     parser.add_argument("--draft-twin", default="qwen3-0.6b")
+    parser.add_argument("--head", default="ref-head", help="the EAGLE-3 head of the eagle3 configs")
+    parser.add_argument("--head-twin", default="qwen3-8b", help="the head's twin shape (that of its target)")
     parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--configs", default="plain,draft-adaptive-k8,draft-k4")
@@ -141,6 +143,9 @@ def main(argv=None) -> int:
                "draft-k8": SpecConfig("draft", num_draft_tokens=8, adaptive=False, **draft),
                "draft-k4": SpecConfig("draft", num_draft_tokens=4, adaptive=False, **draft),
                "draft-k2": SpecConfig("draft", num_draft_tokens=2, adaptive=False, **draft)}
+    head = dict(model=args.head, draft_twin=args.head_twin or None)
+    configs.update({f"eagle3-k{k}": SpecConfig("eagle3", num_draft_tokens=k, adaptive=False, **head) for k in (3, 5)})
+    configs["eagle3-adaptive-k7"] = SpecConfig("eagle3", num_draft_tokens=7, **head)
     results = {"env": environment(device), "target": f"{args.target} as {args.target_twin} twin",
                "drafter": f"{args.draft} as {args.draft_twin} twin", "tokens": args.tokens, "rows": []}
     for name in args.configs.split(","):
