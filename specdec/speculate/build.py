@@ -108,7 +108,8 @@ def head_kv_bytes_per_token(config: SpecConfig, dtype: torch.dtype) -> int:
     if config.draft_twin:
         from specdec.models.twin import SHAPES
 
-        shape = SHAPES.get(config.draft_twin, {})
+        twin = config.draft_twin  # a shape's name or the shape itself
+        shape = twin if isinstance(twin, dict) else SHAPES.get(twin, {})
         layer = dataclasses.replace(layer, head_dim=shape.get("head_dim", layer.head_dim),
                                     num_key_value_heads=shape.get("num_key_value_heads", layer.num_key_value_heads))
     return KVCache.bytes_per_token(layer, dtype)
