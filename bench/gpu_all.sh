@@ -22,14 +22,7 @@ STAGES=${STAGES:-judge twin decode}
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 
-stage() {  # stage NAME SECONDS COMMAND...: at most SECONDS, and never past LIMIT
-  local name=$1 want=$2; shift 2
-  local left=$((LIMIT - SECONDS - 10))
-  [ "$left" -lt 30 ] && { echo "$name: skipped (no time left)"; return; }
-  [ "$want" -gt "$left" ] && want=$left
-  timeout "$want" "$@" > "$OUT/$name.log" 2>&1
-  echo "$name rc=$? at ${SECONDS}s"; grep -v "^{" "$OUT/$name.log" | grep -v "it/s\]" | tail -n 30
-}
+source "$(dirname "$0")/stage.sh"
 for s in $STAGES; do
   case $s in
     judge) HEALTH_WAIT_S=${HEALTH_WAIT_S:-150} TWIN_JUDGE_S=${TWIN_JUDGE_S:-170} PAIR_JUDGE_S=${PAIR_JUDGE_S:-40} \

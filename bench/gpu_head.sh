@@ -2,20 +2,15 @@
 # One GPU call for ref-head, the EAGLE-3 head of ref-target (issue 20): a corpus, `specdec train head`, then
 # acceptance per draft position against ref-draft and n-gram (bench/head_acceptance.py) and batch-1 speed
 # (bench/speculative.py), each stage with its own limit and never past ALL_LIMIT_S.  Works in /tmp/hd; brings
-# back the records, the logs and head.tar (the exports, manifest, result and training log).
+# back the records, the logs, head-bf16.tar (the bf16 export, manifest, result and training log) and
+# head-fp8.tar.
 # Usage on the device:  bash bench/gpu_head.sh "$OUT"   (HEAD_ARGS adds to the training command's arguments)
 OUT=${1:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
 LIMIT=${ALL_LIMIT_S:-585}; W=/tmp/hd
 nvidia-smi -L
-stage() {  # stage NAME SECONDS COMMAND...: at most SECONDS, and never past LIMIT
-  local name=$1 want=$2; shift 2
-  local left=$((LIMIT - SECONDS - 10))
-  [ "$left" -lt 20 ] && { echo "$name: skipped (no time left)"; return; }
-  [ "$want" -gt "$left" ] && want=$left
-  timeout "$want" "$@" > "$OUT/$name.log" 2>&1
-  echo "$name rc=$? at ${SECONDS}s"; grep -v "^{" "$OUT/$name.log" | grep -v "it/s\]" | tail -n 12
-}
+STAGE_MIN_S=20 STAGE_TAIL=12
+source "$(dirname "$0")/stage.sh"
 stage corpus 150 python3 -m specdec.data.corpus --out $W/corpus --max-bytes ${CORPUS_BYTES:-120000000} \
   --heldout-fraction 0.03 --seed 0
 stage train_head 430 python3 -m specdec.cli train head --target ref-target --prompts $W/corpus --out $W/run \

@@ -64,6 +64,20 @@ def load_prompt_sources(sources: Sequence[str], target_dir: Path, n_prompts: int
     return prompts, rows
 
 
+def add_data_arguments(parser, n_prompts: int, n_prompts_help: str) -> None:
+    """The flags every continuation-trained job takes: prompt sources, run directory, held-out set, generation."""
+    parser.add_argument("--prompts", nargs="+", required=True,
+                        help="prompt sources: corpus directories (train split) or JSON-lines files {id, prompt}")
+    parser.add_argument("--out", required=True, help="run directory (rerun with the same one to resume)")
+    parser.add_argument("--heldout", default=None, help="held-out set or prompts (default: the bundled prompts)")
+    parser.add_argument("--heldout-limit", type=int, default=None)
+    parser.add_argument("--n-prompts", type=int, default=n_prompts, help=n_prompts_help)
+    parser.add_argument("--min-prompt", type=int, default=32)
+    parser.add_argument("--max-prompt", type=int, default=384)
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--gen-batch-size", type=int, default=256)
+
+
 def check_overlap(prompts: Sequence[dict], heldout: Sequence[dict], drop: bool = False) -> list[dict]:
     """The training prompts, checked against the held-out set: a prompt that equals a held-out prompt or is
     a prefix of it or extends it (the same document's opening) raises ``HeldoutOverlapError`` (with

@@ -445,21 +445,13 @@ def model_dir_arg(parser: argparse.ArgumentParser, flag: str, value: str) -> str
 
 
 def main(argv: list[str] | None = None) -> int:
+    from specdec.train.data import add_data_arguments
     from specdec.train.lm import train_config_from_args
 
     parser = argparse.ArgumentParser(prog="specdec train drafter", description=__doc__.split("\n")[0])
     parser.add_argument("--target", required=True, help="target model directory (with tokenizer files)")
     parser.add_argument("--base", required=True, help="general pre-trained model of the drafter's size to start from")
-    parser.add_argument("--prompts", nargs="+", required=True,
-                        help="prompt sources: corpus directories (train split) or JSON-lines files {id, prompt}")
-    parser.add_argument("--out", required=True, help="run directory (rerun with the same one to resume)")
-    parser.add_argument("--heldout", default=None, help="held-out set or prompts (default: the bundled prompts)")
-    parser.add_argument("--heldout-limit", type=int, default=None)
-    parser.add_argument("--n-prompts", type=int, default=2000, help="prompts per corpus source")
-    parser.add_argument("--min-prompt", type=int, default=32)
-    parser.add_argument("--max-prompt", type=int, default=384)
-    parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--gen-batch-size", type=int, default=256)
+    add_data_arguments(parser, 2000, "prompts per corpus source")
     parser.add_argument("--kl-weight", type=float, default=0.0, help="weight of KL to the target (0: CE only)")
     parser.add_argument("--topk-kl", type=int, default=0, metavar="K",
                         help="cache the target's top-K log-probs (K <= 20) with the continuations and take the KL "

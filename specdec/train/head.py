@@ -33,7 +33,8 @@ from tqdm import tqdm
 from specdec.models.eagle3 import Eagle3Head, default_feature_layers, random_head, save_eagle3_head
 from specdec.models.fused import plain_kernels
 from specdec.train.checkpoint import Checkpoint, check_run_identity
-from specdec.train.data import check_overlap, generate_continuations, load_or_make_heldout, load_prompt_sources
+from specdec.train.data import (add_data_arguments, check_overlap, generate_continuations, load_or_make_heldout,
+                                load_prompt_sources)
 from specdec.train.head_loss import head_loss
 from specdec.train.lm import autocast, bar_interval, lr_factor, make_optimizer, pick_device
 from specdec.train.log import TrainLog
@@ -348,15 +349,7 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(prog="specdec train head", description=__doc__.split("\n")[0])
     parser.add_argument("--target", required=True, help="target model directory or short name (ref-target)")
-    parser.add_argument("--prompts", nargs="+", required=True,
-                        help="prompt sources: corpus directories (train split) or JSON-lines files {id, prompt}")
-    parser.add_argument("--out", required=True, help="run directory (rerun with the same one to resume)")
-    parser.add_argument("--heldout", default=None, help="held-out set or prompts (default: the bundled prompts)")
-    parser.add_argument("--heldout-limit", type=int, default=None)
-    parser.add_argument("--n-prompts", type=int, default=4000, help="prompts per corpus source (half greedy, "
-                        "half sampled at temperature 1)")
-    parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--gen-batch-size", type=int, default=256)
+    add_data_arguments(parser, 4000, "prompts per corpus source (half greedy, half sampled at temperature 1)")
     parser.add_argument("--draft-vocab", type=int, default=None, help="draft vocabulary size (default: the target's)")
     parser.add_argument("--ttt-steps", type=int, default=7, help="training-time test: unrolled steps (>= 1)")
     parser.add_argument("--seq-len", type=int, default=512)
@@ -376,7 +369,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--ttt-steps and --max-steps must be at least 1")
     target = model_dir_arg(parser, "--target", args.target)
     run = HeadRun(target, args.prompts, args.out, heldout=args.heldout, heldout_limit=args.heldout_limit,
-                  heldout_max_tokens=args.max_new_tokens, n_prompts=args.n_prompts,
+                  heldout_max_tokens=args.max_new_tokens, n_prompts=args.n_prompts, min_prompt=args.min_prompt,
+                  max_prompt=args.max_prompt,
                   max_new_tokens=args.max_new_tokens, gen_batch_size=args.gen_batch_size,
                   draft_vocab=args.draft_vocab, ttt_steps=args.ttt_steps, seq_len=args.seq_len,
                   batch_size=args.batch_size, lr=args.lr, max_steps=args.max_steps, max_minutes=args.max_minutes,
