@@ -86,11 +86,11 @@ class LLM:
             shard_model(self.model, self.tensor_parallel.rank, self.tensor_parallel.world_size)
         self.tokenizer = Tokenizer(self.model_dir) if (self.model_dir / "tokenizer.json").is_file() else None
         self.eos_token_ids = eos_token_ids(self.model_dir, self.model.config.eos_token_ids)
-        if speculator is not None and speculator.method == "eagle3":  # its cache shares the target's blocks
-            from specdec.speculate.build import head_kv_bytes_per_token
+        if speculator is not None:  # a speculator's cache on the target's block tables shares its KV budget
+            from specdec.speculate.build import shared_kv_bytes_per_token
 
             engine_options.setdefault("shared_kv_bytes_per_token",
-                                      head_kv_bytes_per_token(speculator, self.model.lm_head.weight.dtype))
+                                      shared_kv_bytes_per_token(speculator, self.model.lm_head.weight.dtype))
         config = EngineConfig(kv_cache_tokens=kv_cache_tokens, **engine_options)
         if self.tensor_parallel is not None:  # equal KV caches, so every rank schedules alike
             from specdec.parallel.tensor_parallel import agreed_kv_cache_tokens

@@ -190,13 +190,14 @@ def test_a_kv_cache_sized_from_free_memory_leaves_the_head_room_for_as_many_bloc
                                                                                     monkeypatch):
     from specdec.engine.kv_cache import KVCache, num_blocks_for
     from specdec.models.config import ModelConfig
-    from specdec.speculate.build import head_kv_bytes_per_token
+    from specdec.speculate.build import shared_kv_bytes_per_token
 
     head = json.loads((head_dir / "config.json").read_text())
-    per_token = head_kv_bytes_per_token(SpecConfig("eagle3", model=str(head_dir)), torch.float32)
+    per_token = shared_kv_bytes_per_token(SpecConfig("eagle3", model=str(head_dir)), torch.float32)
     assert per_token == 2 * head["num_key_value_heads"] * head["head_dim"] * 4  # one layer, float32
-    assert head_kv_bytes_per_token(SpecConfig("eagle3", model=str(head_dir), draft_twin="qwen3-8b"),
-                                   torch.bfloat16) == 2 * 8 * 128 * 2  # the twin head's layer
+    assert shared_kv_bytes_per_token(SpecConfig("eagle3", model=str(head_dir), draft_twin="qwen3-8b"),
+                                     torch.bfloat16) == 2 * 8 * 128 * 2  # the twin head's layer
+    assert shared_kv_bytes_per_token(SpecConfig("ngram"), torch.float32) == 0  # no cache on the target's blocks
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (64 << 30, 80 << 30))
     target = ModelConfig.from_dict(json.loads((qwen3_dir / "config.json").read_text()))
     target_bytes = KVCache.bytes_per_token(target, torch.float32)

@@ -93,9 +93,12 @@ def _draft_speculator(config: SpecConfig, llm):
                                 cuda_graphs=llm.engine.config.cuda_graphs)
 
 
-def head_kv_bytes_per_token(config: SpecConfig, dtype: torch.dtype) -> int:
-    """KV bytes per token of an EAGLE-3 head's one-layer cache (of its twin's shape under draft_twin), which
-    the target's KV budget must leave room for; 0 when the head's config cannot be read (loading it says why)."""
+def shared_kv_bytes_per_token(config: SpecConfig, dtype: torch.dtype) -> int:
+    """KV bytes per token of the speculator's cache on the target's block tables, which the target's KV budget
+    must leave room for: an EAGLE-3 head's one-layer cache (of its twin's shape under draft_twin); 0 for the
+    others (their caches, if any, are their own) and when the head's config cannot be read (loading says why)."""
+    if config.method != "eagle3":
+        return 0
     from specdec.assets import resolve_model
     from specdec.engine.kv_cache import KVCache
     from specdec.models.eagle3 import Eagle3Config
