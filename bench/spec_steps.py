@@ -144,7 +144,9 @@ def main(argv=None) -> int:
                "draft-k4": SpecConfig("draft", num_draft_tokens=4, adaptive=False, **draft),
                "draft-k2": SpecConfig("draft", num_draft_tokens=2, adaptive=False, **draft)}
     head = dict(model=args.head, draft_twin=args.head_twin or None)
-    configs.update({f"eagle3-k{k}": SpecConfig("eagle3", num_draft_tokens=k, adaptive=False, **head) for k in (3, 5)})
+    configs.update({f"eagle3-k{k}": SpecConfig("eagle3", num_draft_tokens=k, adaptive=False, **head)
+                    for k in (3, 5, 7)})
+    configs["ngram-adaptive-k8"] = SpecConfig("ngram", num_draft_tokens=8)
     configs["eagle3-adaptive-k7"] = SpecConfig("eagle3", num_draft_tokens=7, **head)
     results = {"env": environment(device), "target": f"{args.target} as {args.target_twin} twin",
                "drafter": f"{args.draft} as {args.draft_twin} twin", "tokens": args.tokens, "rows": []}

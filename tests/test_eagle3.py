@@ -41,9 +41,10 @@ def eagle_llm(target_dir, head_dir, k: int = 4, **kw) -> LLM:
     return LLM(target_dir, device="cpu", speculator=spec, **kw)
 
 
+@pytest.mark.parametrize("static", [False, True])
 @pytest.mark.parametrize("k", [1, 2, 5, 8])
-def test_greedy_equals_plain_with_a_random_head(qwen3_dir, head_dir, plain, k):
-    llm = eagle_llm(qwen3_dir, head_dir, k)
+def test_greedy_equals_plain_with_a_random_head(qwen3_dir, head_dir, plain, k, static):
+    llm = eagle_llm(qwen3_dir, head_dir, k, static_shapes=static, max_graph_batch=4)
     assert [o.token_ids for o in llm.generate(mixed_prompts(), GREEDY)] == plain
     m = llm.engine.metrics()
     assert m["draft_tokens"] > 0 and m["accepted_tokens"] > 0  # drafts were verified, some accepted
@@ -70,6 +71,52 @@ def test_mixed_sampling_settings_in_one_batch_keep_greedy_rows_exact(qwen3_dir, 
     assert [o.token_ids for i, o in enumerate(outs) if i % 2 == 0] == plain[::2]
     alone = llm.generate(prompts[1], params[1])[0].token_ids
     assert outs[1].token_ids == alone  # a seeded sampled request does not depend on its batch
+
+
+def test_chains_of_different_lengths_in_one_batch_stay_exact(qwen3_dir, head_dir, plain):
+    """Requests whose k is cut by their max_tokens at different steps: the chain's rows end at different forwards."""
+    llm = eagle_llm(qwen3_dir, head_dir, 6, static_shapes=True, max_graph_batch=8)
+    lengths = [7, 30, 12, 3, 21, 16]
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in lengths]
+    outs = llm.generate(mixed_prompts(), params)
+    assert [o.token_ids for o in outs] == [p[:n] for p, n in zip(plain, lengths)]
+
+
+def _head_forward_twice(spec, layout, ids, states):
+    """The head's outputs and KV after one forward through its graphs and one eager, from the same cache."""
+    before = [t.clone() for t in spec.kv.layers[0]]
+    via_graphs = spec._forward(ids, states, layout)
+    kv_graphs = [t.clone() for t in spec.kv.layers[0]]
+    for t, saved in zip(spec.kv.layers[0], before):
+        t.copy_(saved)
+    graphs, spec.graphs = spec.graphs, None
+    try:
+        eager = spec._forward(ids, states, layout)
+    finally:
+        spec.graphs = graphs
+    return via_graphs, eager, kv_graphs, [t.clone() for t in spec.kv.layers[0]]
+
+
+@pytest.mark.parametrize("counts", [(3, 1), (1, 3), (1, 1, 1), (2, 5, 1)])
+def test_head_graphs_compute_what_the_flat_forward_does(qwen3_dir, head_dir, counts):
+    """Padded to a bucket (rows scattered and gathered through the row index), the head's forward gives the
+    flat forward's outputs and writes the same keys and values; padding rows write only the scratch block."""
+    llm = eagle_llm(qwen3_dir, head_dir, 4, static_shapes=True, max_graph_batch=8)
+    spec = llm.engine.speculator
+    assert spec.graphs is not None
+    g = torch.Generator().manual_seed(sum(counts))
+    layout, ids = [], []
+    for i, count in enumerate(counts):
+        start = 5 + 7 * i  # earlier positions hold whatever keys the cache has: both paths read the same
+        blocks = llm.engine.blocks.allocate(llm.engine.blocks.blocks_for(start + count))
+        layout.append((blocks, start, count))
+        ids.extend(torch.randint(0, 96, (count,), generator=g).tolist())
+    states = torch.randn(sum(counts), spec.head.config.layer.hidden_size, generator=g)
+    via_graphs, eager, kv_graphs, kv_eager = _head_forward_twice(spec, layout, ids, states)
+    torch.testing.assert_close(via_graphs, eager, atol=1e-5, rtol=1e-5)
+    real = spec.kv.scratch_block * spec.kv.block_size  # slots before the scratch block's
+    for graphs_side, eager_side in zip(kv_graphs, kv_eager):
+        torch.testing.assert_close(graphs_side[:real], eager_side[:real], atol=1e-5, rtol=1e-5)
 
 
 def test_the_head_reads_the_verify_forward_and_adds_no_target_forward(qwen3_dir, head_dir):
@@ -123,6 +170,19 @@ def test_sampled_tokens_follow_the_target_distribution(qwen3_dir, sampled_eagle_
     counts, outs = _token2_counts(sampled_eagle_llm, prompt, 4000)
     assert sum(o.num_accepted for o in outs) > 300 and sum(o.num_drafted - o.num_accepted for o in outs) > 300
     assert chi_square_p(counts, _exact_token2_marginal(qwen3_dir, prompt)) > 1e-3
+
+
+def test_sampled_tokens_follow_the_target_distribution_through_head_graphs(qwen3_dir, head_dir):
+    llm = eagle_llm(qwen3_dir, head_dir, 2, max_num_seqs=64, kv_cache_tokens=16384, static_shapes=True,
+                    max_graph_batch=64)
+    graphs, padded = llm.engine.speculator.graphs, []
+    run_layout = graphs.run_layout
+    graphs.run_layout = lambda *a: padded.append(1) or run_layout(*a)
+    prompt = [5, 17, 30, 2, 9]
+    counts, outs = _token2_counts(llm, prompt, 4000)
+    assert sum(o.num_accepted for o in outs) > 300 and sum(o.num_drafted - o.num_accepted for o in outs) > 300
+    assert chi_square_p(counts, _exact_token2_marginal(qwen3_dir, prompt)) > 1e-3
+    assert len(padded) > 50  # the chain and the observes after verify steps went through the padded buckets
 
 
 def test_negative_control_accept_everything_fails(qwen3_dir, sampled_eagle_llm, monkeypatch):

@@ -269,9 +269,9 @@ class Engine:
             return count
         ks = self.controller.candidates() if self.controller is not None else [0]
         count += static.precapture([k + 1 for k in ks])
-        drafter_static = getattr(drafter_runner, "static", None)
-        if drafter_static is not None:  # the chain's first forward feeds 1..FIRST_FEED tokens, the rest 1
-            count += drafter_static.precapture(list(range(1, self.speculator.first_feed + 1)))
+        speculator_graphs = getattr(self.speculator, "precapture_graphs", None)
+        if speculator_graphs is not None:  # a drafter's or a head's own fixed-shape forwards
+            count += speculator_graphs(ks)
         return count
 
     def _on_finished(self, req: Request) -> None:

@@ -32,6 +32,9 @@ from specdec.models.attention import AttentionBatch
 from specdec.models.transformer import CausalLM
 
 
+STAGING_RING = 8  # host staging buffers a runner's consecutive steps take in turn
+
+
 def _next_power_of_two(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
@@ -63,12 +66,16 @@ class StaticRunner:
         self.max_context = _next_power_of_two(max(max_context, 256))
         self.capture = capture and device.type == "cuda"
         self.max_cols = -(-self.max_context // self.block_size)
-        size = _input_size(self.max_batch, max_q, self.max_cols)
-        # A step's inputs live in one flat buffer (layout: _input_views) filled from one host staging
-        # buffer, pinned on a GPU, by a single asynchronous copy.
+        size = _input_size(self.max_batch, max_q, self.max_cols) + self.max_batch * max_q  # + extra (_stage)
+        # A step's inputs live in one flat buffer (layout: _input_views) filled from a host staging buffer,
+        # pinned on a GPU, by a single asynchronous copy.  Consecutive steps stage in turn through a ring of
+        # buffers, so a step waits for the copy out of its buffer STAGING_RING steps ago, not the last one
+        # (which is queued behind the last forward): a drafter's chain queues its forwards without waiting.
         self.inputs = torch.zeros(size, dtype=torch.long, device=device)
-        self.staging = torch.zeros(size, dtype=torch.long, pin_memory=self.capture)
-        self.staged = torch.cuda.Event() if self.capture else None  # the last copy out of staging is done
+        ring = STAGING_RING if self.capture else 1
+        self.staging = [torch.zeros(size, dtype=torch.long, pin_memory=self.capture) for _ in range(ring)]
+        self.staged = [torch.cuda.Event() for _ in range(ring)] if self.capture else None  # copies done
+        self.turn = 0  # the staging buffer of the next step
         self.q_offsets = np.arange(max_q)
         self.graphs: dict[tuple[int, int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         # Every captured graph writes its logits into this one buffer (rows of the largest shape): a graph
@@ -87,9 +94,13 @@ class StaticRunner:
 
     def shape_of(self, seqs: list[ScheduledSeq]) -> tuple[int, int, int]:
         """The (batch, q, context) bucket a step of these sequences is padded to."""
-        q = self._q_bucket(max(s.num_new for s in seqs))
-        context = _next_power_of_two(max(max(s.request.num_computed + q for s in seqs), 256))
-        return _next_power_of_two(len(seqs)), q, context
+        return self.bucket(len(seqs), max(s.num_new for s in seqs), max(s.request.num_computed for s in seqs))
+
+    def bucket(self, num_seqs: int, most_fed: int, last_start: int) -> tuple[int, int, int]:
+        """The (batch, q, context) bucket of num_seqs sequences feeding at most most_fed tokens each, the
+        last of them starting at position last_start."""
+        q = self._q_bucket(most_fed)
+        return _next_power_of_two(num_seqs), q, _next_power_of_two(max(last_start + q, 256))
 
     def _q_bucket(self, q: int) -> int:
         """After precapture, the smallest captured q that holds q tokens per sequence (q itself if none does).
@@ -135,7 +146,7 @@ class StaticRunner:
                   for b in reversed(batches) for c in contexts]
         self.logits_rows_wanted = max([b * q for b, q, _ in shapes] + [self.logits_rows_wanted])
         for batch, q, context in shapes:
-            self._fill([], q, batch, context)  # padding rows only: scratch slots, no real sequence is touched
+            self._stage([], q, batch, context)  # padding rows only: scratch slots, no real sequence is touched
             self._forward(batch, q, context)
         self.shapes.update(shapes)
         self.q_ladder = sorted({q for _, q, _ in self.shapes})
@@ -148,24 +159,36 @@ class StaticRunner:
 
     def _fill(self, seqs: list[ScheduledSeq], q: int, batch: int, context: int) -> None:
         """Stage the step's inputs for the (batch, q, context) bucket and copy them to the device at once."""
+        rows = []
+        for seq in seqs:
+            req = seq.request
+            start, committed = req.num_computed, seq.num_new - seq.num_drafts
+            ids = req.token_ids_between(start, start + committed) + req.draft_token_ids[:seq.num_drafts]
+            rows.append((req.block_ids, start, ids))
+        self._stage(rows, q, batch, context)
+
+    def _stage(self, rows: list[tuple[list[int], int, list[int]]], q: int, batch: int, context: int,
+               extra: list[int] = ()) -> None:
+        """Stage a padded step and copy it to the device: rows[i] = (blocks, first position, fed ids) of
+        sequence i (at most q ids); `extra` follows the step's inputs in the same copy (a subclass's indices)."""
+        turn = self.turn
+        self.turn = (turn + 1) % len(self.staging)
         if self.staged is not None:
-            self.staged.synchronize()  # the previous step's copy has read the staging buffer
+            self.staged[turn].synchronize()  # the copy out of this buffer, STAGING_RING steps ago, is done
+        staging = self.staging[turn]
         bs, cols, scratch = self.block_size, self._columns(context), self.kv_cache.scratch_block
-        ids, positions, slots, ctx, tables = _input_views(self.staging.numpy(), batch, q, cols)
+        ids, positions, slots, ctx, tables = _input_views(staging.numpy(), batch, q, cols)
         ids, positions, slots = ids.reshape(batch, q), positions.reshape(batch, q), slots.reshape(batch, q)
         ids[:] = 0
         tables[:] = scratch  # padding sequences and unused columns point at the scratch block
         starts = np.zeros(batch, dtype=np.int64)
         fed = np.zeros(batch, dtype=np.int64)  # rows of each sequence that carry a real token
-        for i, seq in enumerate(seqs):
-            req = seq.request
-            blocks = req.block_ids[:cols]
+        for i, (blocks, start, fed_ids) in enumerate(rows):
+            blocks = blocks[:cols]
             tables[i, :len(blocks)] = blocks
-            starts[i] = start = req.num_computed
-            committed = seq.num_new - seq.num_drafts
-            ids[i, :committed] = req.token_ids_between(start, start + committed)
-            ids[i, committed:seq.num_new] = req.draft_token_ids[:seq.num_drafts]
-            fed[i] = seq.num_new
+            starts[i] = start
+            ids[i, :len(fed_ids)] = fed_ids
+            fed[i] = len(fed_ids)
         # Row j of sequence i sits at position start_i + j; a real row writes its slot in the sequence's
         # blocks, a padding row (j >= fed_i, or a padding sequence) writes the scratch block.
         # Example (block size 16, q = 3): start 35, fed 2, blocks [7, 2, 9] -> positions 35, 36, 37,
@@ -176,9 +199,12 @@ class StaticRunner:
         slots[:] = np.where(offsets < fed[:, None], block * bs + positions % bs, scratch * bs + offsets % bs)
         ctx[:] = starts + q
         size = _input_size(batch, q, cols)
-        self.inputs[:size].copy_(self.staging[:size], non_blocking=True)
+        if extra:
+            staging[size:size + len(extra)] = torch.as_tensor(extra, dtype=torch.long)
+            size += len(extra)
+        self.inputs[:size].copy_(staging[:size], non_blocking=True)
         if self.staged is not None:
-            self.staged.record()
+            self.staged[turn].record()
 
     def _forward(self, batch: int, q: int, context: int) -> torch.Tensor:
         if not self.capture:
@@ -206,6 +232,10 @@ class StaticRunner:
             max_context_len=context,
             uniform=True,
         ).prepare(self.block_size)
+        return self._call(ids, positions, attn, batch * q)
+
+    def _call(self, ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBatch, rows: int) -> torch.Tensor:
+        """The model on a padded step's rows (a subclass feeds other inputs beside them)."""
         return self.model(ids, positions, attn, self.kv_cache.layers)
 
     def _logits_buffer(self, rows: int, like: torch.Tensor) -> torch.Tensor:

@@ -142,7 +142,11 @@ def _eagle3_speculator(config: SpecConfig, llm):
     else:
         head = load_eagle3_head(head_dir, llm.model, llm.device, dtype)
     layers = feature_layers(head.config, llm.model.config.num_hidden_layers)
-    return Eagle3Speculator(head, llm.engine.blocks, llm.model.config.vocab_size, layers)
+    engine = llm.engine
+    return Eagle3Speculator(head, engine.blocks, llm.model.config.vocab_size, layers,
+                            static_shapes=engine.runner.static is not None,
+                            max_batch=min(engine.config.max_num_seqs, engine.config.max_graph_batch),
+                            max_context=engine.graph_context_bound, cuda_graphs=engine.config.cuda_graphs)
 
 
 def check_same_tokenizer(target_dir: Path, draft_dir: Path) -> None:

@@ -45,7 +45,6 @@ class Shadow:
 class DraftModelSpeculator(Speculator):
     name = "draft"
     has_draft_model = True
-    first_feed = FIRST_FEED
 
     def __init__(self, model: CausalLM, target_vocab: int, kv_cache_tokens: int, block_size: int = 16,
                  static_shapes: bool = False, max_batch: int = 256, max_context: int = 8192,
@@ -134,6 +133,14 @@ class DraftModelSpeculator(Speculator):
         shadow.seq.block_ids = list(block_ids)
         shadow.seq.block_hashes = list(block_hashes)
         self.shadows[request_id] = shadow
+
+    def precapture_graphs(self, ks: list[int]) -> int:
+        """Capture the drafter's chain shapes before serving: its first forward feeds 1..FIRST_FEED tokens, the
+        rest 1.  Returns how many shapes."""
+        static = self.runner.static
+        if static is None or not static.capture:
+            return 0
+        return static.precapture(list(range(1, FIRST_FEED + 1)))
 
     def release(self, request: Request) -> None:
         shadow = self.shadows.pop(request.request_id, None)

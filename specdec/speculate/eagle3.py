@@ -16,7 +16,12 @@ output at 11 predicts x_13.
 drawn (a device tensor: no host round trip) beside the head's own previous output, at positions
 num_tokens - 1 onwards.  Those positions are overwritten by the next `observe`, which feeds the verified
 tokens there.  The chain needs the target's blocks up to its last position; it takes them from the target's
-block manager (the verify step needs them anyway), and a request that gets none drafts one token.
+block manager (the verify step needs them anyway), and a request that gets none drafts one token.  Requests
+are chained longest k first, so the rows still drafting at any forward are a prefix of the batch.
+
+With static shapes (on a GPU, with the target's) the forwards run through HeadGraphs: padded buckets
+replayed as CUDA graphs, inputs staged without waiting for the device; an observe of a prefill's many
+positions runs eagerly beside them.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from specdec.engine.scheduler import ScheduledSeq
 from specdec.models.eagle3 import Eagle3Head
 from specdec.speculate.base import Speculator
 from specdec.speculate.draw import draw_drafts
+from specdec.speculate.head_graphs import HeadGraphs
 
 
 class HeadState:
@@ -48,7 +54,9 @@ class Eagle3Speculator(Speculator):
     name = "eagle3"
     has_draft_model = True  # proposing costs head forwards (the cost model times one: see HeadCostRunner)
 
-    def __init__(self, head: Eagle3Head, blocks: BlockManager, target_vocab: int, feature_layers: tuple[int, ...]):
+    def __init__(self, head: Eagle3Head, blocks: BlockManager, target_vocab: int, feature_layers: tuple[int, ...],
+                 static_shapes: bool = False, max_batch: int = 256, max_context: int = 8192,
+                 cuda_graphs: bool = True):
         self.head = head
         self.device = head.lm_head.weight.device
         self.blocks = blocks  # the target's: the head's cache is indexed by the target's block tables
@@ -60,6 +68,10 @@ class Eagle3Speculator(Speculator):
         self.target_ids = head.target_ids()  # [V_draft]
         self.max_positions = head.config.layer.max_position_embeddings
         self.states: dict[str, HeadState] = {}
+        self.graphs = None
+        if static_shapes:  # q up to 33: an observe after a verify of up to 32 drafts, as the target's steps
+            self.graphs = HeadGraphs(head, self.kv, self.device, max_batch, max_q=33, max_context=max_context,
+                                     capture=cuda_graphs)
         self.runner = HeadCostRunner(self)
         self.stats = {"draft_forwards": 0, "head_tokens_observed": 0, "skipped_no_blocks": 0}
 
@@ -68,22 +80,26 @@ class Eagle3Speculator(Speculator):
     @torch.inference_mode()
     def observe(self, seqs: list[ScheduledSeq], starts: list[int], runner) -> None:
         """Feed the head every position the target's step committed (see the module's note)."""
-        rows, ids, feats = [], [], []
+        rows = []  # (request, first position, count, ids: token p + 1 for position p, features [count, 3 H_t])
         for i, (seq, start) in enumerate(zip(seqs, starts)):
             req = seq.request
             count = req.num_computed - start
             if req.finished or count <= 0 or start + count > self.max_positions:
                 continue
-            ids.extend(req.token_ids_between(start + 1, start + 1 + count))  # token p + 1 for position p
-            feats.append(runner.step_features(i, count))  # [count, 3 H_target]
-            rows.append((req, start, count))
-        if not rows:
-            return
-        states = self.head.project(torch.cat(feats))  # [T, H]
-        out = self._forward(torch.tensor(ids, device=self.device), states,
-                            [(r.block_ids, start, count) for r, start, count in rows])  # [T, H]
+            rows.append((req, start, count, req.token_ids_between(start + 1, start + 1 + count),
+                         runner.step_features(i, count)))
+        short = self.graphs.max_q if self.graphs is not None else 0
+        for group in ([r for r in rows if r[2] <= short], [r for r in rows if r[2] > short]):
+            if group:
+                self._observe(group)
+
+    def _observe(self, rows) -> None:
+        """One head forward over these rows' positions; each request keeps its output at its last one."""
+        ids = [t for row in rows for t in row[3]]
+        states = self.head.project(torch.cat([row[4] for row in rows]))  # [T, H]
+        out = self._forward(ids, states, [(req.block_ids, start, count) for req, start, count, _, _ in rows])
         end = 0
-        for req, start, count in rows:
+        for req, start, count, _, _ in rows:
             end += count
             state = self._state(req)
             state.computed, state.last = start + count, out[end - 1:end]
@@ -110,21 +126,16 @@ class Eagle3Speculator(Speculator):
 
     def _chain(self, active: list[tuple[Request, int]]) -> None:
         """Draft 1 from each request's last head output, then k - 1 forwards, all requests batched."""
+        active = sorted(active, key=lambda item: -item[1])  # longest chain first: live rows are a prefix
         reqs = [r for r, _ in active]
         states = torch.cat([self.states[r.request_id].last for r in reqs])  # [B, H]
         tokens, qs = self._draw(reqs, states)
         drawn = [(reqs, tokens, qs)]  # per forward: its requests, their tokens [B], their q rows
-        step = list(active)
-        for i in range(1, max(k for _, k in active)):
-            kept = [j for j, (_, k) in enumerate(step) if k > i]  # rows of the previous forward still drafting
-            if len(kept) < len(step):
-                index = torch.tensor(kept, device=self.device)
-                tokens, states = tokens[index], states[index]
-                step = [step[j] for j in kept]
-            reqs = [r for r, _ in step]
+        for i in range(1, active[0][1]):
+            live = sum(1 for _, k in active if k > i)
+            reqs, tokens, states = reqs[:live], tokens[:live], states[:live]
             # chain forward i feeds draft i at position num_tokens - 2 + i
-            layout = [(r.block_ids, r.num_tokens - 2 + i, 1) for r in reqs]
-            states = self._forward(tokens, states, layout)  # [B, H]
+            states = self._forward(tokens, states, [(r.block_ids, r.num_tokens - 2 + i, 1) for r in reqs])
             self.stats["draft_forwards"] += 1
             tokens, qs = self._draw(reqs, states)
             drawn.append((reqs, tokens, qs))
@@ -162,10 +173,12 @@ class Eagle3Speculator(Speculator):
 
     # ------------------------------------------------------------------ the head's forward
 
-    def _forward(self, ids: torch.Tensor, states: torch.Tensor,
-                 layout: list[tuple[list[int], int, int]]) -> torch.Tensor:
-        """ids [T], states [T, H]; layout: per sequence (block ids, first position, tokens), rows in order
-        -> the head's outputs [T, H] (its keys/values written at those positions)."""
+    def _forward(self, ids: list[int] | torch.Tensor, states: torch.Tensor, layout: list[tuple[list[int], int, int]]
+                 ) -> torch.Tensor:
+        """ids [T] (host list or device tensor), states [T, H]; layout: per sequence (block ids, first position,
+        tokens), rows in order -> the head's outputs [T, H] (its keys/values written at those positions)."""
+        if self.graphs is not None and self.graphs.fits(layout):
+            return self.graphs.run_layout(layout, ids, states)
         starts, ctx, positions, slots = [0], [], [], []
         for blocks, start, count in layout:
             starts.append(starts[-1] + count)
@@ -174,7 +187,16 @@ class Eagle3Speculator(Speculator):
             slots.extend(slot_of(blocks, p, self.block_size) for p in range(start, start + count))
         batch = flat_attention_batch([b for b, _, _ in layout], starts, ctx, slots, self.block_size, self.device)
         positions = torch.tensor(positions, dtype=torch.long, device=self.device)
+        if isinstance(ids, list):
+            ids = torch.tensor(ids, dtype=torch.long, device=self.device)
         return self.head(ids, positions, states, batch, self.kv.layers[0])
+
+    def precapture_graphs(self, ks: list[int]) -> int:
+        """Capture the head's buckets before serving: chain steps (q = 1) and observes after a verify of each
+        k the controller may choose (q = k + 1).  Returns how many shapes."""
+        if self.graphs is None or not self.graphs.capture:
+            return 0
+        return self.graphs.precapture([1] + [k + 1 for k in ks])
 
     # ------------------------------------------------------------------
 
@@ -194,18 +216,18 @@ class HeadCostRunner:
     """What start-up calibration times for a drafter step (speculate/build.py measures `runner.forward` on
     scratch sequences): one head forward of the sequences' tokens beside zero states, as a chain step runs."""
 
-    static = None
     piecewise = None
 
     def __init__(self, spec: Eagle3Speculator):
         self.spec = spec
         self.device = spec.device
+        self.static = spec.graphs  # its max_batch: how far calibration times one-token (graph) steps
 
     def forward(self, seqs: list[ScheduledSeq], fed_ids=None) -> list[torch.Tensor]:
         spec = self.spec
         layout = [(s.request.block_ids, s.request.num_computed, s.num_new) for s in seqs]
         tokens = sum(s.num_new for s in seqs)
-        ids = torch.zeros(tokens, dtype=torch.long, device=self.device)
+        ids = [0] * tokens
         states = torch.zeros(tokens, spec.head.config.layer.hidden_size, dtype=spec.head.lm_head.weight.dtype,
                              device=self.device)
         out = spec._forward(ids, states, layout)

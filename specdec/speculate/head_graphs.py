@@ -1,0 +1,69 @@
+"""An EAGLE-3 head's forwards on fixed-shape buffers, replayed as CUDA graphs on a GPU.
+
+A head forward is one decoder layer: a fraction of a millisecond of GPU work at 8B shapes, but tens of kernel
+launches and, built eagerly from host lists, several uploads that each wait for the device to drain.  Here a
+forward is padded to a (batch, q, context) bucket exactly as StaticRunner pads the target's steps (rows,
+scratch block, staging ring, capture), so the k - 1 chain forwards are queued without waiting for one
+another and each bucket is captured once and replayed.
+
+Two kinds of forwards take this path: a chain step feeds one token per sequence (q = 1); an observe step
+after a verify feeds each sequence's committed positions, 1 .. k + 1 of them (q = the most, rounded up to a
+captured q).  The head's input states are a second input beside the token ids: a forward's T real rows
+(sequence i's tokens at padded rows i*q ..) are scattered into the states buffer and its outputs gathered back
+through one row index, staged with the step's other inputs.
+
+Example: two sequences feeding 3 and 1 positions (q = 3, batch 2): real rows 0, 1, 2 and 3; the row index is
+[0, 1, 2, 3]; states [4, H] land at padded rows 0..3, rows 4 and 5 pad the second sequence (scratch slots),
+and outputs [4, H] are padded rows 0..3 read back.  With counts 1 and 3: row index [0, 3, 4, 5].
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specdec.engine.kv_cache import KVCache
+from specdec.engine.static_runner import StaticRunner, _input_size, _input_views
+from specdec.models.attention import AttentionBatch
+from specdec.models.eagle3 import Eagle3Head
+
+Layout = list[tuple[list[int], int, int]]  # per sequence: (block ids, first position, tokens fed)
+
+
+class HeadGraphs(StaticRunner):
+    def __init__(self, head: Eagle3Head, kv_cache: KVCache, device: torch.device, max_batch: int, max_q: int,
+                 max_context: int, capture: bool):
+        super().__init__(head, kv_cache, device, max_batch, max_q, max_context, capture)
+        rows = self.max_batch * max_q
+        self.states = torch.zeros(rows, head.config.layer.hidden_size, dtype=head.lm_head.weight.dtype,
+                                  device=device)  # [rows, H] the padded forward's input states
+        self.row_index = torch.zeros(rows, dtype=torch.long, device=device)  # overwritten per forward
+
+    def fits(self, layout: Layout) -> bool:
+        shape = batch, q, context = self.bucket(len(layout), max(n for _, _, n in layout),
+                                                max(start for _, start, _ in layout))
+        if self.frozen and shape not in self.shapes:
+            return False
+        return batch <= self.max_batch and q <= self.max_q and context <= self.max_context
+
+    @torch.inference_mode()
+    def run_layout(self, layout: Layout, ids: list[int] | torch.Tensor, states: torch.Tensor) -> torch.Tensor:
+        """The head's outputs [T, H] (a fresh tensor) for T = sum of the layout's token counts, fed ids [T]
+        (a host list, or a device tensor when every sequence feeds one token) beside states [T, H]."""
+        batch, q, context = self.bucket(len(layout), max(n for _, _, n in layout),
+                                        max(start for _, start, _ in layout))
+        host_ids = isinstance(ids, list)
+        rows, taken, index = [], 0, []
+        for blocks, start, count in layout:
+            rows.append((blocks, start, ids[taken:taken + count] if host_ids else [0] * count))
+            index.extend(range(len(rows) * q - q, len(rows) * q - q + count))
+            taken += count
+        self._stage(rows, q, batch, context, extra=index)
+        cols = self._columns(context)
+        index_view = self.inputs[_input_size(batch, q, cols):][:taken]
+        if not host_ids:  # q is 1: row i is sequence i
+            _input_views(self.inputs, batch, q, cols)[0][:taken].copy_(ids)
+        self.states.index_copy_(0, index_view, states)
+        return self._forward(batch, q, context).index_select(0, index_view)
+
+    def _call(self, ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBatch, rows: int) -> torch.Tensor:
+        return self.model(ids, positions, self.states[:rows], attn, self.kv_cache.layers[0])
