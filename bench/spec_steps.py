@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import gc
 import json
 import sys
@@ -89,7 +90,63 @@ class StepClock:
         return {"by_k": by_k, "catch_up": catch_up}
 
 
-def measure(name: str, make, prompts: list[str], tokens: int, device: torch.device) -> dict:
+def profile_phases(llm: LLM, prompt: str, params: SamplingParams, steps: int) -> dict:
+    """Where one engine step's time goes, per phase (propose, schedule, verify forward, accept, commit, observe):
+    host milliseconds per step (the phase's wall time as the host runs it, waits for the device included) and
+    device milliseconds per step (the kernels the phase launched, graph replays included), over `steps` steps
+    of one reply under torch.profiler; `device_busy_ms` is every kernel's time per step, `step_ms` the wall."""
+    import specdec.engine.engine as engine_module
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    engine = llm.engine
+    spec = engine.speculator
+    targets = [("propose", spec, "propose"), ("observe", spec, "observe"), ("schedule", engine.scheduler, "schedule"),
+               ("verify forward", engine.runner, "forward"), ("accept", engine_module, "sample_tokens"),
+               ("commit", engine, "_commit")]
+    saved = []
+    for label, owner, attr in targets:
+        if owner is None:
+            continue
+        original = getattr(owner, attr)
+        saved.append((owner, attr, original))
+
+        def wrapped(*a, _f=original, _label=label, **kw):
+            with record_function(_label):
+                return _f(*a, **kw)
+        setattr(owner, attr, wrapped)
+    req = engine.add_request(llm.tokenizer.encode(prompt), dataclasses.replace(params, max_tokens=steps * 8))
+    for _ in range(3):  # past the prefill
+        engine.step()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if engine.device.type == "cuda" else [])
+    sync(engine.device)
+    t0 = time.perf_counter()
+    with profile(activities=activities) as prof:
+        done = 0
+        while done < steps and not req.finished:
+            engine.step()
+            done += 1
+        sync(engine.device)
+    wall = time.perf_counter() - t0
+    while not req.finished:
+        engine.step()
+    for owner, attr, original in saved:
+        setattr(owner, attr, original)
+    events = prof.key_averages()
+    ms_per_step = 1e-3 / max(1, done)  # profiler times are microseconds
+    labels = {label for label, _, _ in targets}
+    phases = {e.key: {"host_ms": e.cpu_time_total * ms_per_step, "device_ms": e.device_time_total * ms_per_step}
+              for e in events if e.key in labels}
+    kernels = sum(e.self_device_time_total for e in events)
+    def top(time_of):
+        ranked = sorted((e for e in events if e.key not in labels), key=time_of, reverse=True)[:12]
+        return [[e.key[:80], round(time_of(e) * ms_per_step, 4), e.count // max(1, done)] for e in ranked]
+    return {"steps": done, "step_ms": 1e3 * wall / max(1, done), "device_busy_ms": kernels * ms_per_step,
+            "phases": phases, "top_device": top(lambda e: e.self_device_time_total),
+            "top_host": top(lambda e: e.self_cpu_time_total)}  # [op, ms per step, calls per step]
+
+
+def measure(name: str, make, prompts: list[str], tokens: int, device: torch.device,
+            profile_steps: int = 0) -> dict:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     t0 = time.perf_counter()
@@ -108,6 +165,8 @@ def measure(name: str, make, prompts: list[str], tokens: int, device: torch.devi
     row = {"config": name, "built_s": built_s, "tok_s": emitted / seconds, **clock.summary(),
            "compiles": compiles() - compiles_before,
            **{key: after.get(key, 0) - before.get(key, 0) for key in ("eager_forwards", "draft_eager_forwards")}}
+    if profile_steps:
+        row["profile"] = profile_phases(llm, prompts[0], params[0], profile_steps)
     if device.type == "cuda":
         row.update(allocated_mib=torch.cuda.memory_allocated(device) / 2**20,
                    reserved_mib=torch.cuda.memory_reserved(device) / 2**20,
@@ -132,6 +191,8 @@ def main(argv=None) -> int:
     parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--configs", default="plain,draft-adaptive-k8,draft-k4")
+    parser.add_argument("--profile-steps", type=int, default=0,
+                        help="also profile this many steps of one reply per engine (profile_phases)")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     prompts = [json.loads(line)["prompt"] for line in heldout_prompts_path().read_text().splitlines()[:args.prompts]]
@@ -152,7 +213,7 @@ def main(argv=None) -> int:
                "drafter": f"{args.draft} as {args.draft_twin} twin", "tokens": args.tokens, "rows": []}
     for name in args.configs.split(","):
         row = measure(name, lambda: LLM(args.target, speculator=configs[name], **engine), prompts, args.tokens,
-                      device)
+                      device, args.profile_steps)
         results["rows"].append(row)
         print(json.dumps(row), flush=True)
         write_json(args.out, results)
