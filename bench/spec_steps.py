@@ -191,13 +191,15 @@ def main(argv=None) -> int:
     parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--configs", default="plain,draft-adaptive-k8,draft-k4")
+    parser.add_argument("--attention-backend", default=None, choices=("sdpa", "triton"),
+                        help="the engines' attention (default: the engine's, triton on a GPU)")
     parser.add_argument("--profile-steps", type=int, default=0,
                         help="also profile this many steps of one reply per engine (profile_phases)")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     prompts = [json.loads(line)["prompt"] for line in heldout_prompts_path().read_text().splitlines()[:args.prompts]]
     engine = dict(device=device, max_num_seqs=1, kv_cache_tokens=4096, max_model_len=2048,
-                  twin=args.target_twin or None)
+                  twin=args.target_twin or None, attention_backend=args.attention_backend)
     draft = dict(model=args.draft, draft_twin=args.draft_twin or None)
     configs = {"plain": None,
                "draft-adaptive-k8": SpecConfig("draft", num_draft_tokens=8, **draft),
@@ -209,7 +211,8 @@ def main(argv=None) -> int:
                     for k in (3, 5, 7)})
     configs["ngram-adaptive-k8"] = SpecConfig("ngram", num_draft_tokens=8)
     configs["eagle3-adaptive-k7"] = SpecConfig("eagle3", num_draft_tokens=7, **head)
-    results = {"env": environment(device), "target": f"{args.target} as {args.target_twin} twin",
+    results = {"env": environment(device), "attention_backend": args.attention_backend or "engine default",
+               "target": f"{args.target} as {args.target_twin} twin",
                "drafter": f"{args.draft} as {args.draft_twin} twin", "tokens": args.tokens, "rows": []}
     for name in args.configs.split(","):
         row = measure(name, lambda: LLM(args.target, speculator=configs[name], **engine), prompts, args.tokens,

@@ -35,6 +35,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                              "(default: on with CUDA graphs, off with tensor parallelism)")
     parser.add_argument("--no-fused-kernels", action="store_true",
                         help="on a GPU, run the plain PyTorch elementwise kernels instead of compiled fused ones")
+    parser.add_argument("--attention-backend", choices=("sdpa", "triton"), default=None,
+                        help="attention of decode / verify steps: 'triton' reads the paged KV cache in a kernel, "
+                             "'sdpa' gathers it for PyTorch's SDPA (default: triton on a GPU, sdpa on CPU)")
     parser.add_argument("--tensor-parallel-size", type=int, default=1,
                         help="split the model over N GPUs; launch with torchrun --nproc-per-node N")
 
@@ -47,6 +50,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 piecewise_graphs=getattr(args, "piecewise_graphs", None),
                 max_model_len=getattr(args, "max_model_len", None),
                 fused_kernels=False if getattr(args, "no_fused_kernels", False) else None,
+                attention_backend=getattr(args, "attention_backend", None),
                 tensor_parallel_size=getattr(args, "tensor_parallel_size", 1))
 
 

@@ -37,6 +37,16 @@ def test_errors_are_one_line_and_exit_2(tmp_path, capsys):
     assert "drafter model" in capsys.readouterr().err
 
 
+def test_attention_backend_reaches_the_engine(qwen3_dir, capsys):
+    """--attention-backend is the engine's choice; one that cannot run here is a one-line error."""
+    assert main(["generate", str(qwen3_dir), "--prompt", "abc", "--max-tokens", "2", "--device", "cpu",
+                 "--attention-backend", "sdpa"]) == 0
+    assert main(["generate", str(qwen3_dir), "--prompt", "abc", "--device", "cpu",
+                 "--attention-backend", "triton"]) == 2
+    err = capsys.readouterr().err
+    assert "runs on a GPU" in err and "Traceback" not in err
+
+
 def test_train_dispatches_to_the_stage(capsys):
     import pytest
 

@@ -207,6 +207,17 @@ def test_backend_is_opt_in_and_chooses_per_step():
         attention.set_attention_backend("flash")
 
 
+def test_engine_attention_backend_defaults_to_sdpa_on_cpu_and_refuses_what_cannot_run(qwen3_dir):
+    from specdec import LLM, ConfigError
+
+    assert LLM(qwen3_dir, device="cpu", kv_cache_tokens=256).engine.metrics()["attention_backend"] == "sdpa"
+    with pytest.raises(ConfigError, match="runs on a GPU"):
+        LLM(qwen3_dir, device="cpu", kv_cache_tokens=256, attention_backend="triton")
+    with pytest.raises(ConfigError, match="must be one of sdpa, triton"):
+        LLM(qwen3_dir, device="cpu", kv_cache_tokens=256, attention_backend="flash")
+    assert attention.attention_backend() == "sdpa"
+
+
 @child_only
 def test_triton_backend_runs_decode_and_verify_steps(triton_backend):
     q, k_cache, v_cache, batch = make_case(*RAGGED, 16, seed=8)
@@ -230,8 +241,10 @@ def test_triton_backend_keeps_greedy_outputs(qwen3_dir, triton_backend, monkeypa
     monkeypatch.setattr(kernel, "paged_attention", lambda *a: calls.append(a[0].shape[0]) or launch(*a))
     greedy = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
     prompts = [list(range(10, 10 + n)) for n in (5, 19)]
-    llm = LLM(qwen3_dir, device="cpu", kv_cache_tokens=512, block_size=16)
+    llm = LLM(qwen3_dir, device="cpu", kv_cache_tokens=512, block_size=16, attention_backend="triton")
+    assert llm.engine.metrics()["attention_backend"] == "triton"
     with_kernel = [o.token_ids for o in llm.generate(prompts, greedy)]
     assert calls and max(calls) <= 2 * attention.KERNEL_MAX_QUERIES
-    attention.set_attention_backend("sdpa")
-    assert [o.token_ids for o in llm.generate(prompts, greedy)] == with_kernel
+    calls.clear()
+    sdpa = LLM(qwen3_dir, device="cpu", kv_cache_tokens=512, block_size=16, attention_backend="sdpa")
+    assert [o.token_ids for o in sdpa.generate(prompts, greedy)] == with_kernel and not calls

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import time
 
 import torch
@@ -14,6 +15,7 @@ from specdec.engine.runner import ModelRunner
 from specdec.engine.sampler import sample_tokens
 from specdec.engine.scheduler import ScheduledSeq, Scheduler
 from specdec.errors import ConfigError, InvalidRequestError
+from specdec.models.attention import BACKENDS as ATTENTION_BACKENDS, kernel_device, set_attention_backend
 from specdec.models.transformer import CausalLM
 from specdec.sampling import SamplingParams, top_logprobs
 
@@ -47,8 +49,15 @@ class EngineConfig:
     # (engine/piecewise.py): 2-3x cheaper eager steps for the reference target on the H200.  None: on with
     # CUDA graphs on a GPU, unless tensor-parallel (not supported there yet).
     piecewise_graphs: bool | None = None
+    # Attention of decode / verify steps (specdec.models.attention): "triton" reads the paged KV in a kernel,
+    # "sdpa" gathers it for SDPA; None: "triton" on a GPU where Triton imports, else "sdpa".  The choice is the
+    # process's (like fused_kernels): the last engine built sets it for every engine's later steps.
+    attention_backend: str | None = None
 
     def validate(self) -> None:
+        if self.attention_backend not in (None, *ATTENTION_BACKENDS):
+            raise ConfigError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)} (or unset for the "
+                              f"default), got {self.attention_backend!r}")
         if self.block_size <= 0:
             raise ConfigError(f"block_size must be positive, got {self.block_size}")
         if self.kv_cache_tokens is not None and self.kv_cache_tokens < self.block_size:
@@ -105,6 +114,8 @@ class Engine:
             from specdec.models.fused import enable_fused_kernels
 
             enable_fused_kernels()
+        self.attention_backend = self._choose_attention_backend()
+        set_attention_backend(self.attention_backend)  # before any graph is captured: graphs keep their choice
         self.runner = ModelRunner(model, self.kv_cache, self.device, self._static_runner(), self._piecewise_runner())
         # coalesced admissions: a fixed batch, or one sized from measured step costs (engine/admission.py)
         self.admission = AdmissionBatcher(config.max_num_seqs) if config.admission_batch is None else None
@@ -118,6 +129,18 @@ class Engine:
         self.accepted_per_position = [0] * 33  # [j]: drafts accepted at position j (0-based)
         # a list to record every step in (a StepRecord each; benches set it for a window, None: not recorded)
         self.trace: list[StepRecord] | None = None
+
+    def _choose_attention_backend(self) -> str:
+        if self.config.attention_backend == "triton":
+            if not kernel_device(self.device):
+                raise ConfigError(f"attention_backend 'triton' runs on a GPU, not on {self.device.type}: choose "
+                                  "'sdpa' or leave it unset")
+            if importlib.util.find_spec("triton") is None:
+                raise ConfigError("attention_backend 'triton' needs the triton package: install it (it comes with "
+                                  "CUDA builds of torch) or choose 'sdpa'")
+        if self.config.attention_backend is not None:
+            return self.config.attention_backend
+        return "triton" if self.device.type == "cuda" and importlib.util.find_spec("triton") else "sdpa"
 
     def _static_runner(self):
         from specdec.engine.static_runner import StaticRunner
@@ -338,6 +361,7 @@ class Engine:
             "preemptions": self.scheduler.num_preemptions,
             "prefix_cache_hit_tokens": self.blocks.prefix_hits,
             "prefix_cache_query_tokens": self.blocks.prefix_queries,
+            "attention_backend": self.attention_backend,
             "speculator": None,
             "draft_k": 0,
             "eager_forwards": self.runner.eager_forwards,

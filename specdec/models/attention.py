@@ -63,6 +63,11 @@ def _kernel_device(t: torch.Tensor) -> bool:
     return t.is_cuda
 
 
+def kernel_device(device: torch.device) -> bool:
+    """Whether the "triton" backend's kernel runs on this device."""
+    return _kernel_device(torch.empty(0, device=device))
+
+
 @dataclasses.dataclass
 class AttentionBatch:
     query_start: torch.Tensor  # [B+1] long: queries of seq b are flat rows query_start[b]:query_start[b+1]
