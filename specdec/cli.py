@@ -37,7 +37,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="on a GPU, run the plain PyTorch elementwise kernels instead of compiled fused ones")
     parser.add_argument("--attention-backend", choices=("sdpa", "triton"), default=None,
                         help="attention of decode / verify steps: 'triton' reads the paged KV cache in a kernel, "
-                             "'sdpa' gathers it for PyTorch's SDPA (default: triton on a GPU, sdpa on CPU)")
+                             "'sdpa' (the default) gathers it for PyTorch's SDPA")
     parser.add_argument("--tensor-parallel-size", type=int, default=1,
                         help="split the model over N GPUs; launch with torchrun --nproc-per-node N")
 

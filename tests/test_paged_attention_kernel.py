@@ -207,7 +207,7 @@ def test_backend_is_opt_in_and_chooses_per_step():
         attention.set_attention_backend("flash")
 
 
-def test_engine_attention_backend_defaults_to_sdpa_on_cpu_and_refuses_what_cannot_run(qwen3_dir):
+def test_engine_attention_backend_defaults_to_sdpa_and_refuses_what_cannot_run(qwen3_dir):
     from specdec import LLM, ConfigError
 
     assert LLM(qwen3_dir, device="cpu", kv_cache_tokens=256).engine.metrics()["attention_backend"] == "sdpa"

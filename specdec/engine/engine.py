@@ -49,9 +49,10 @@ class EngineConfig:
     # (engine/piecewise.py): 2-3x cheaper eager steps for the reference target on the H200.  None: on with
     # CUDA graphs on a GPU, unless tensor-parallel (not supported there yet).
     piecewise_graphs: bool | None = None
-    # Attention of decode / verify steps (specdec.models.attention): "triton" reads the paged KV in a kernel,
-    # "sdpa" gathers it for SDPA; None: "triton" on a GPU where Triton imports, else "sdpa".  The choice is the
-    # process's (like fused_kernels): the last engine built sets it for every engine's later steps.
+    # Attention of decode / verify steps (specdec.models.attention): "triton" reads the paged KV in a kernel
+    # (GPU only), "sdpa" gathers it for SDPA; None: "sdpa" (the kernel's per-call wins have not yet shown in a
+    # served step: docs/BENCHMARKS.md).  The choice is the process's (like fused_kernels): the last engine
+    # built sets it for every engine's later steps.
     attention_backend: str | None = None
 
     def validate(self) -> None:
@@ -138,9 +139,7 @@ class Engine:
             if importlib.util.find_spec("triton") is None:
                 raise ConfigError("attention_backend 'triton' needs the triton package: install it (it comes with "
                                   "CUDA builds of torch) or choose 'sdpa'")
-        if self.config.attention_backend is not None:
-            return self.config.attention_backend
-        return "triton" if self.device.type == "cuda" and importlib.util.find_spec("triton") else "sdpa"
+        return self.config.attention_backend or "sdpa"
 
     def _static_runner(self):
         from specdec.engine.static_runner import StaticRunner
