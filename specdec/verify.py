@@ -85,14 +85,16 @@ def accept(
     return _assemble(draft_ids, n_accepted, token)
 
 
-def sample(probs: torch.Tensor, generators: Generators = None) -> torch.Tensor:
-    """[N] one draw per row of unnormalised probs [N, V], each row from its own generator (if given).
+def sample(probs: torch.Tensor, generators: Generators = None, uniforms: torch.Tensor | None = None) -> torch.Tensor:
+    """[N] one draw per row of unnormalised probs [N, V], each row from its own generator (if given), or from
+    the given uniforms [N, V] in [0, 1) (drawn ahead, e.g. for a whole draft chain at once).
 
     The same exponential race as the verifier's final token, fed by V uniforms per row; no host sync."""
     rows, vocab = probs.shape
-    no_drafts = torch.zeros(rows, dtype=torch.long)  # on the host: counts read without a sync
-    _, u = _draw_uniforms(generators, no_drafts, rows, 0, vocab, probs.device)  # [rows, V]
-    return _exponential_race(probs.float(), u)
+    if uniforms is None:
+        no_drafts = torch.zeros(rows, dtype=torch.long)  # on the host: counts read without a sync
+        _, uniforms = _draw_uniforms(generators, no_drafts, rows, 0, vocab, probs.device)  # [rows, V]
+    return _exponential_race(probs.float(), uniforms)
 
 
 def expected_accepted_tokens(alpha: float, k: int) -> float:

@@ -34,7 +34,7 @@ from specdec.engine.runner import flat_attention_batch
 from specdec.engine.scheduler import ScheduledSeq
 from specdec.models.eagle3 import Eagle3Head
 from specdec.speculate.base import Speculator
-from specdec.speculate.draw import draw_drafts
+from specdec.speculate.draw import draw_drafts, in_target_vocab
 from specdec.speculate.head_graphs import HeadGraphs
 
 
@@ -128,37 +128,55 @@ class Eagle3Speculator(Speculator):
         """Draft 1 from each request's last head output, then k - 1 forwards, all requests batched."""
         active = sorted(active, key=lambda item: -item[1])  # longest chain first: live rows are a prefix
         reqs = [r for r, _ in active]
+        uniforms = self._chain_uniforms(active)  # [B, k_max, V_draft] or None
         states = torch.cat([self.states[r.request_id].last for r in reqs])  # [B, H]
-        tokens, qs = self._draw(reqs, states)
-        drawn = [(reqs, tokens, qs)]  # per forward: its requests, their tokens [B], their q rows
+        drawn = [self._draw(reqs, states, uniforms, 0)]  # per forward: its tokens [live], its q rows
         for i in range(1, active[0][1]):
             live = sum(1 for _, k in active if k > i)
-            reqs, tokens, states = reqs[:live], tokens[:live], states[:live]
+            reqs, states = reqs[:live], states[:live]
             # chain forward i feeds draft i at position num_tokens - 2 + i
-            states = self._forward(tokens, states, [(r.block_ids, r.num_tokens - 2 + i, 1) for r in reqs])
+            states = self._forward(drawn[-1][0][:live], states, [(r.block_ids, r.num_tokens - 2 + i, 1) for r in reqs])
             self.stats["draft_forwards"] += 1
-            tokens, qs = self._draw(reqs, states)
-            drawn.append((reqs, tokens, qs))
+            drawn.append(self._draw(reqs, states, uniforms, i))
         self._hand_out(active, drawn)
+
+    def _chain_uniforms(self, active: list[tuple[Request, int]]) -> torch.Tensor | None:
+        """[B, k_max, V_draft] the uniforms of every draw of the chain, drawn at once: a seeded request's k rows
+        from its own stream (so what it drafts does not depend on its batch), the others' in one call."""
+        if all(r.params.greedy for r, _ in active):
+            return None
+        depth, vocab = active[0][1], self.head.config.draft_vocab_size
+        generators = [self._state(r).generator for r, _ in active]
+        if all(g is None for g in generators):
+            return torch.rand(len(active), depth, vocab, device=self.device)
+        rows = [torch.rand(k if g is not None else depth, vocab, generator=g, device=self.device)
+                for (_, k), g in zip(active, generators)]
+        return torch.stack([torch.nn.functional.pad(u, (0, 0, 0, depth - u.shape[0])) for u in rows])
 
     def _hand_out(self, active, drawn) -> None:
         """Read every forward's drafts back at once (the one host sync) and give each request its chain."""
-        ids: dict[str, list[int]] = {r.request_id: [] for r, _ in active}
-        probs: dict[str, list[torch.Tensor]] = {r.request_id: [] for r, _ in active}
-        for reqs, tokens, qs in drawn:
-            for req, token, q in zip(reqs, tokens.tolist(), qs):
-                ids[req.request_id].append(token)
-                if q is not None:
-                    probs[req.request_id].append(q)
-        for req, _ in active:
-            req.draft_token_ids = ids[req.request_id]
+        ids = torch.cat([tokens for tokens, _ in drawn]).tolist()  # forward i's live rows, forward by forward
+        chains: list[list[int]] = [[] for _ in active]
+        at = 0
+        for tokens, _ in drawn:
+            for row in range(tokens.shape[0]):
+                chains[row].append(ids[at + row])
+            at += tokens.shape[0]
+        sampled = [row for row, (req, _) in enumerate(active) if not req.params.greedy]
+        if sampled:  # every sampled row's q, request by request, into the target vocabulary in one go
+            q = torch.cat([qs[row] for row in sampled for _, qs in drawn if row < len(qs)])  # [sum k, V_draft]
+            q = in_target_vocab(q, self.target_vocab, self.target_ids)
+            probs = iter(torch.split(q, [len(chains[row]) for row in sampled]))
+        for row, (req, _) in enumerate(active):
+            req.draft_token_ids = chains[row]
             if not req.params.greedy:
-                req.draft_probs = torch.cat(probs[req.request_id])  # [k, V_target]
+                req.draft_probs = next(probs)  # [k, V_target]
 
-    def _draw(self, reqs: list[Request], states: torch.Tensor):
+    def _draw(self, reqs: list[Request], states: torch.Tensor, uniforms: torch.Tensor | None, step: int):
         logits = self.head.logits(states)  # [B, V_draft]
         return draw_drafts(logits, [r.params for r in reqs], [self._state(r).generator for r in reqs],
-                           self.target_vocab, self.target_ids)
+                           self.target_vocab, self.target_ids, map_q=False,
+                           uniforms=None if uniforms is None else uniforms[:len(reqs), step])
 
     def _blocks_for_chain(self, req: Request, k: int) -> bool:
         """Blocks of the target's tables up to the chain's last position, num_tokens + k - 3."""
