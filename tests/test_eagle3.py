@@ -112,8 +112,10 @@ def test_head_graphs_compute_what_the_flat_forward_does(qwen3_dir, head_dir, cou
         layout.append((blocks, start, count))
         ids.extend(torch.randint(0, 96, (count,), generator=g).tolist())
     states = torch.randn(sum(counts), spec.head.config.layer.hidden_size, generator=g)
-    via_graphs, eager, kv_graphs, kv_eager = _head_forward_twice(spec, layout, ids, states)
+    (via_graphs, logits), (eager, none), kv_graphs, kv_eager = _head_forward_twice(spec, layout, ids, states)
+    assert none is None
     torch.testing.assert_close(via_graphs, eager, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(logits, spec.head.logits(eager), atol=1e-5, rtol=1e-5)
     real = spec.kv.scratch_block * spec.kv.block_size  # slots before the scratch block's
     for graphs_side, eager_side in zip(kv_graphs, kv_eager):
         torch.testing.assert_close(graphs_side[:real], eager_side[:real], atol=1e-5, rtol=1e-5)

@@ -44,6 +44,7 @@ class HeadState:
     def __init__(self, device: torch.device, seed: int | None):
         self.computed = 0
         self.last: torch.Tensor | None = None  # [1, H] the head's output at position computed - 1
+        self.last_logits: torch.Tensor | None = None  # [1, V_draft] its logits, when the forward computed them
         self.generator = None
         if seed is not None:  # a seeded request drafts reproducibly, from a stream of its own
             self.generator = torch.Generator(device=device)
@@ -97,12 +98,13 @@ class Eagle3Speculator(Speculator):
         """One head forward over these rows' positions; each request keeps its output at its last one."""
         ids = [t for row in rows for t in row[3]]
         states = self.head.project(torch.cat([row[4] for row in rows]))  # [T, H]
-        out = self._forward(ids, states, [(req.block_ids, start, count) for req, start, count, _, _ in rows])
+        out, logits = self._forward(ids, states, [(req.block_ids, start, count) for req, start, count, _, _ in rows])
         end = 0
         for req, start, count, _, _ in rows:
             end += count
             state = self._state(req)
             state.computed, state.last = start + count, out[end - 1:end]
+            state.last_logits = None if logits is None else logits[end - 1:end]
         self.stats["head_tokens_observed"] += end
 
     # ------------------------------------------------------------------ before the target's step
@@ -129,15 +131,18 @@ class Eagle3Speculator(Speculator):
         active = sorted(active, key=lambda item: -item[1])  # longest chain first: live rows are a prefix
         reqs = [r for r, _ in active]
         uniforms = self._chain_uniforms(active)  # [B, k_max, V_draft] or None
-        states = torch.cat([self.states[r.request_id].last for r in reqs])  # [B, H]
-        drawn = [self._draw(reqs, states, uniforms, 0)]  # per forward: its tokens [live], its q rows
+        last = [self.states[r.request_id] for r in reqs]
+        states = torch.cat([s.last for s in last])  # [B, H]
+        logits = torch.cat([s.last_logits for s in last]) if all(s.last_logits is not None for s in last) else None
+        drawn = [self._draw(reqs, states, logits, uniforms, 0)]  # per forward: its tokens [live], its q rows
         for i in range(1, active[0][1]):
             live = sum(1 for _, k in active if k > i)
             reqs, states = reqs[:live], states[:live]
             # chain forward i feeds draft i at position num_tokens - 2 + i
-            states = self._forward(drawn[-1][0][:live], states, [(r.block_ids, r.num_tokens - 2 + i, 1) for r in reqs])
+            states, logits = self._forward(drawn[-1][0][:live], states,
+                                           [(r.block_ids, r.num_tokens - 2 + i, 1) for r in reqs])
             self.stats["draft_forwards"] += 1
-            drawn.append(self._draw(reqs, states, uniforms, i))
+            drawn.append(self._draw(reqs, states, logits, uniforms, i))
         self._hand_out(active, drawn)
 
     def _chain_uniforms(self, active: list[tuple[Request, int]]) -> torch.Tensor | None:
@@ -172,8 +177,12 @@ class Eagle3Speculator(Speculator):
             if not req.params.greedy:
                 req.draft_probs = next(probs)  # [k, V_target]
 
-    def _draw(self, reqs: list[Request], states: torch.Tensor, uniforms: torch.Tensor | None, step: int):
-        logits = self.head.logits(states)  # [B, V_draft]
+    def _draw(self, reqs: list[Request], states: torch.Tensor, logits: torch.Tensor | None,
+              uniforms: torch.Tensor | None, step: int):
+        """Draw step `step` of the chain from the head's outputs states [B, H] (or their logits [B, V_draft],
+        when the forward computed them)."""
+        if logits is None:
+            logits = self.head.logits(states)  # [B, V_draft]
         return draw_drafts(logits, [r.params for r in reqs], [self._state(r).generator for r in reqs],
                            self.target_vocab, self.target_ids, map_q=False,
                            uniforms=None if uniforms is None else uniforms[:len(reqs), step])
@@ -194,7 +203,8 @@ class Eagle3Speculator(Speculator):
     def _forward(self, ids: list[int] | torch.Tensor, states: torch.Tensor, layout: list[tuple[list[int], int, int]]
                  ) -> torch.Tensor:
         """ids [T] (host list or device tensor), states [T, H]; layout: per sequence (block ids, first position,
-        tokens), rows in order -> the head's outputs [T, H] (its keys/values written at those positions)."""
+        tokens), rows in order -> (the head's outputs [T, H], their logits [T, V_draft] from a padded forward, or
+        None from an eager one); its keys/values are written at those positions."""
         if self.graphs is not None and self.graphs.fits(layout):
             return self.graphs.run_layout(layout, ids, states)
         starts, ctx, positions, slots = [0], [], [], []
@@ -207,7 +217,7 @@ class Eagle3Speculator(Speculator):
         positions = torch.tensor(positions, dtype=torch.long, device=self.device)
         if isinstance(ids, list):
             ids = torch.tensor(ids, dtype=torch.long, device=self.device)
-        return self.head(ids, positions, states, batch, self.kv.layers[0])
+        return self.head(ids, positions, states, batch, self.kv.layers[0]), None
 
     def precapture_graphs(self, ks: list[int]) -> int:
         """Capture the head's buckets before serving: chain steps (q = 1) and observes after a verify of each
@@ -248,6 +258,7 @@ class HeadCostRunner:
         ids = [0] * tokens
         states = torch.zeros(tokens, spec.head.config.layer.hidden_size, dtype=spec.head.lm_head.weight.dtype,
                              device=self.device)
-        out = spec._forward(ids, states, layout)
-        spec.head.logits(out)
+        out, logits = spec._forward(ids, states, layout)
+        if logits is None:
+            spec.head.logits(out)
         return []

@@ -46,9 +46,11 @@ class HeadGraphs(StaticRunner):
         return batch <= self.max_batch and q <= self.max_q and context <= self.max_context
 
     @torch.inference_mode()
-    def run_layout(self, layout: Layout, ids: list[int] | torch.Tensor, states: torch.Tensor) -> torch.Tensor:
-        """The head's outputs [T, H] (a fresh tensor) for T = sum of the layout's token counts, fed ids [T]
-        (a host list, or a device tensor when every sequence feeds one token) beside states [T, H]."""
+    def run_layout(self, layout: Layout, ids: list[int] | torch.Tensor, states: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The head's outputs [T, H] and their logits [T, V_draft] (views of a fresh tensor) for T = sum of the
+        layout's token counts, fed ids [T] (a host list, or a device tensor when every sequence feeds one
+        token) beside states [T, H]."""
         batch, q, context = self.bucket(len(layout), max(n for _, _, n in layout),
                                         max(start for _, start, _ in layout))
         host_ids = isinstance(ids, list)
@@ -63,7 +65,11 @@ class HeadGraphs(StaticRunner):
         if not host_ids:  # q is 1: row i is sequence i
             _input_views(self.inputs, batch, q, cols)[0][:taken].copy_(ids)
         self.states.index_copy_(0, index_view, states)
-        return self._forward(batch, q, context).index_select(0, index_view)
+        out = self._forward(batch, q, context).index_select(0, index_view)  # [T, H + V_draft]
+        hidden = self.states.shape[1]
+        return out[:, :hidden], out[:, hidden:]
 
     def _call(self, ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBatch, rows: int) -> torch.Tensor:
-        return self.model(ids, positions, self.states[:rows], attn, self.kv_cache.layers[0])
+        """[rows, H + V_draft]: the head's outputs beside their logits (the next draw's, inside the graph)."""
+        hidden = self.model(ids, positions, self.states[:rows], attn, self.kv_cache.layers[0])
+        return torch.cat([hidden, self.model.logits(hidden).to(hidden.dtype)], dim=-1)
