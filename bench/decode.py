@@ -39,11 +39,14 @@ def weight_bytes(model) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
+ATTENTION_BACKEND = None  # --attention-backend: every engine of the run
+
+
 def make_engine(model, batch: int, context: int, kv_tokens: int, fused: bool = False,
                 compile_graphs: str | None = None) -> Engine:
     config = EngineConfig(kv_cache_tokens=kv_tokens, max_num_seqs=max(batch, 1), max_num_batched_tokens=8192,
                           max_graph_batch=max(batch, 1), max_graph_context=context + 1024, fused_kernels=fused,
-                          compile_graphs=compile_graphs)
+                          compile_graphs=compile_graphs, attention_backend=ATTENTION_BACKEND)
     return Engine(model, config)
 
 
@@ -203,7 +206,11 @@ def main(argv=None) -> int:
     parser.add_argument("--skip-hf", action="store_true", help="skip the transformers comparison and its timing")
     parser.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, of {', '.join(VARIANTS)}")
     parser.add_argument("--variant-batches", default="1,8")
+    parser.add_argument("--attention-backend", default=None, choices=("sdpa", "triton"),
+                        help="the engines' attention (default: the engine's)")
     args = parser.parse_args(argv)
+    global ATTENTION_BACKEND
+    ATTENTION_BACKEND = args.attention_backend
     unknown = [n for n in args.variants.split(",") if n and n not in VARIANTS]
     if unknown:
         parser.error(f"unknown variant(s) {unknown}; choose from {list(VARIANTS)}")
@@ -251,6 +258,12 @@ def main(argv=None) -> int:
     results["verify_cost"] = verify
     bs1 = next(r for r in table if r["batch"] == 1 and r["context"] == contexts[0])
     results["step_ms_bs1"] = bs1["step_ms"]
+    results["attention_backend"] = args.attention_backend or "sdpa"
+    results.update(commit=results["env"].get("commit"), date=results["env"].get("date"))
+    for b in (1, 32):  # issue 21's figures: a verify step of 7 drafts against a plain step
+        row = next((v for v in verify if v["batch"] == b and v["k"] == 7), None)
+        if row is not None:
+            results[f"verify_ratio_k7_bs{b}"] = row["relative"]
     results["floor_fraction_bs1"] = results["floor_ms_bs1"] / bs1["step_ms"]
     results["wall_s"] = time.perf_counter() - t_start
     write_json(args.out, results)  # the main figures are safe even if a variant below runs out of time
