@@ -4,16 +4,18 @@
 # (bench/speculative.py), each stage with its own limit and never past ALL_LIMIT_S.  Works in /tmp/hd; brings
 # back the records, the logs, head-bf16.tar (the bf16 export, manifest, result and training log) and
 # head-fp8.tar.
-# Usage on the device:  bash bench/gpu_head.sh "$OUT"   (HEAD_ARGS adds to the training command's arguments)
+# Usage on the device:  SPECDEC_COMMIT=<sha> bash bench/gpu_head.sh "$OUT"   (HEAD_ARGS adds to the training
+# command's arguments; TRAIN_MIN, N_PROMPTS and TRAIN_STAGE_S size the training: one call runs at most 600 s)
 OUT=${1:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
 LIMIT=${ALL_LIMIT_S:-585}; W=/tmp/hd
 nvidia-smi -L
+[ -n "$SPECDEC_COMMIT" ] || echo "warning: SPECDEC_COMMIT is unset: the records cannot name their commit (the device copy has no git history)"
 STAGE_MIN_S=20 STAGE_TAIL=12
 source "$(dirname "$0")/stage.sh"
 stage corpus 150 python3 -m specdec.data.corpus --out $W/corpus --max-bytes ${CORPUS_BYTES:-120000000} \
   --heldout-fraction 0.03 --seed 0
-stage train_head 430 python3 -m specdec.cli train head --target ref-target --prompts $W/corpus --out $W/run \
+stage train_head ${TRAIN_STAGE_S:-430} python3 -m specdec.cli train head --target ref-target --prompts $W/corpus --out $W/run \
   --heldout bench/results/ref-target-heldout.jsonl --n-prompts ${N_PROMPTS:-5000} --max-minutes ${TRAIN_MIN:-4} \
   --max-steps 100000 --checkpoint-every 500 --drop-overlap --no-progress $HEAD_ARGS
 HEAD=$W/run/export/bf16

@@ -164,7 +164,8 @@ def measure(name: str, make, prompts: list[str], tokens: int, device: torch.devi
     after = llm.engine.metrics()
     row = {"config": name, "built_s": built_s, "tok_s": emitted / seconds, **clock.summary(),
            "compiles": compiles() - compiles_before,
-           **{key: after.get(key, 0) - before.get(key, 0) for key in ("eager_forwards", "draft_eager_forwards")}}
+           **{key: after.get(key, 0) - before.get(key, 0)
+              for key in ("eager_forwards", "draft_eager_forwards", "head_eager_forwards")}}
     if profile_steps:
         row["profile"] = profile_phases(llm, prompts[0], params[0], profile_steps)
     if device.type == "cuda":

@@ -80,6 +80,8 @@ def test_chains_of_different_lengths_in_one_batch_stay_exact(qwen3_dir, head_dir
     params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in lengths]
     outs = llm.generate(mixed_prompts(), params)
     assert [o.token_ids for o in outs] == [p[:n] for p, n in zip(plain, lengths)]
+    stats = llm.engine.speculator.stats
+    assert stats["draft_forwards"] > 20 and stats["head_eager_forwards"] <= len(lengths)  # prefill observes only
 
 
 def _head_forward_twice(spec, layout, ids, states):

@@ -74,7 +74,8 @@ class Eagle3Speculator(Speculator):
             self.graphs = HeadGraphs(head, self.kv, self.device, max_batch, max_q=33, max_context=max_context,
                                      capture=cuda_graphs)
         self.runner = HeadCostRunner(self)
-        self.stats = {"draft_forwards": 0, "head_tokens_observed": 0, "skipped_no_blocks": 0}
+        self.stats = {"draft_forwards": 0, "head_tokens_observed": 0, "skipped_no_blocks": 0,
+                      "head_eager_forwards": 0}  # forwards that did not fit the padded buckets
 
     # ------------------------------------------------------------------ after the target's step
 
@@ -207,6 +208,7 @@ class Eagle3Speculator(Speculator):
         None from an eager one); its keys/values are written at those positions."""
         if self.graphs is not None and self.graphs.fits(layout):
             return self.graphs.run_layout(layout, ids, states)
+        self.stats["head_eager_forwards"] += 1
         starts, ctx, positions, slots = [0], [], [], []
         for blocks, start, count in layout:
             starts.append(starts[-1] + count)
