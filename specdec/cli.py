@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 
 from specdec.drafting.cli import add_draft_parser
 from specdec.errors import SpecdecError
@@ -62,13 +63,37 @@ def cmd_generate(args: argparse.Namespace) -> int:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                             top_p=args.top_p, seed=args.seed, stop=args.stop or None)
     prompts = args.prompt or [sys.stdin.read()]
+    before, started = llm.engine.metrics(), time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=len(prompts) > 1 and llm.is_main_rank)
+    seconds = time.perf_counter() - started
     for out in outputs if llm.is_main_rank else []:  # tensor parallel: every rank computes, rank 0 prints
         if args.json:
             print(json.dumps({"text": out.text, "token_ids": out.token_ids, "finish_reason": out.finish_reason}))
         else:
             print(out.text)
+    if llm.is_main_rank:
+        print(generation_summary(before, llm.engine.metrics(), seconds), file=sys.stderr)
     return 0
+
+
+def generation_summary(before: dict, after: dict, seconds: float) -> str:
+    """One line on what a generate run did: tokens/s and, with a speculator, what speculation did.
+    Example: "specdec: 48 tokens in 1.20 s (40.0 tok/s); ngram: 9 of 30 steps verified drafts, 2.44 tokens
+    each, 48 % of 27 drafts accepted"."""
+    def delta(key):
+        return after.get(key, 0) - before.get(key, 0)
+
+    tokens = delta("tokens_emitted")
+    line = f"specdec: {tokens} tokens in {seconds:.2f} s ({tokens / max(seconds, 1e-9):.1f} tok/s)"
+    if after.get("speculator") is None:
+        return line
+    verified, drafted = delta("verify_steps"), delta("drafts")
+    if not drafted:
+        return f"{line}; {after['speculator']}: no step verified drafts (plain decoding was measured faster)"
+    draft_tokens, accepted = delta("draft_tokens"), delta("accepted_tokens")
+    return (f"{line}; {after['speculator']}: {drafted} of {verified} steps verified drafts, "
+            f"{(accepted + drafted) / drafted:.2f} tokens each, {accepted / max(draft_tokens, 1):.0%} of "
+            f"{draft_tokens} drafts accepted")
 
 
 def cmd_twin(args: argparse.Namespace) -> int:

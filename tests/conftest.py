@@ -1,11 +1,15 @@
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 from tests.checkpoints import save_tiny
 
 torch.set_num_threads(2)
+# every test measures its own calibration (tests/test_calibration_cache.py turns the cache on where it checks it)
+os.environ["SPECDEC_CALIBRATION_CACHE"] = "off"
 
 
 @pytest.fixture(scope="session")

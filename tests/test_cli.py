@@ -37,6 +37,17 @@ def test_errors_are_one_line_and_exit_2(tmp_path, capsys):
     assert "drafter model" in capsys.readouterr().err
 
 
+def test_generate_ends_with_one_summary_line_on_stderr(qwen3_dir, capsys):
+    prompt = ["--prompt", "abcabcabcabc", "--max-tokens", "12", "--device", "cpu"]
+    assert main(["generate", str(qwen3_dir), *prompt]) == 0
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("specdec: 12 tokens in ") and "tok/s" in err and "ngram" not in err
+    assert main(["generate", str(qwen3_dir), *prompt, "--speculator", "ngram", "--fixed-k"]) == 0
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("specdec: 12 tokens in ") and "; ngram: " in err
+    assert "drafts accepted" in err  # fixed k: the repeated prompt gives n-gram matches to verify
+
+
 def test_attention_backend_reaches_the_engine(qwen3_dir, capsys):
     """--attention-backend is the engine's choice; one that cannot run here is a one-line error."""
     assert main(["generate", str(qwen3_dir), "--prompt", "abc", "--max-tokens", "2", "--device", "cpu",

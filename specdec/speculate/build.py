@@ -44,7 +44,22 @@ def build_speculator(config: SpecConfig, llm) -> tuple[Speculator, KController]:
 def calibrate(controller: KController, engine, spec: Speculator) -> None:
     """Measure the target's (and a drafter's) step cost through the runners served steps take (CUDA graphs
     after start-up capture: eager forwards cost several times more at small batches, which made drafting look
-    far cheaper or dearer than it is) and let the controller choose k from them."""
+    far cheaper or dearer than it is) and let the controller choose k from them.  The tables are read from
+    the calibration cache when it holds this setup's (speculate/calibration_cache.py), else measured and
+    written there."""
+    from specdec.speculate import calibration_cache as cache
+
+    key = cache.calibration_key(engine, spec, controller.candidates()) if cache.cache_enabled() else None
+    tables = cache.load_tables(key) if key is not None else None
+    if tables is None:
+        tables = measure_tables(controller, engine, spec)
+        if key is not None:
+            cache.save_tables(key, *tables)
+    controller.calibrate(*tables)
+
+
+def measure_tables(controller: KController, engine, spec: Speculator):
+    """(target step table, drafter step table or None, verify tables {k: table}), measured now."""
     budget = min(engine.config.max_num_batched_tokens, CALIBRATION_MAX_TOKENS)
     target = measure_step_cost(engine.runner, engine.blocks, engine.device, budget)
     verify = measure_verify_cost(engine.runner, engine.blocks, engine.device, engine.config.max_num_seqs,
@@ -53,7 +68,7 @@ def calibrate(controller: KController, engine, spec: Speculator) -> None:
     if spec.has_draft_model:
         draft = measure_step_cost(spec.runner, spec.blocks, spec.device,
                                   min(engine.config.max_num_seqs, CALIBRATION_MAX_TOKENS))
-    controller.calibrate(target, draft, verify)
+    return target, draft, verify
 
 
 def _draft_speculator(config: SpecConfig, llm):
