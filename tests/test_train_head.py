@@ -50,10 +50,10 @@ def test_unrolled_training_steps_equal_drafting_with_teacher_tokens(qwen3_dir):
     for root in (2, 5, 7):
         with torch.no_grad():  # read the target up to root, then chain with the teacher's tokens
             state = spec._forward(torch.tensor(tokens[1:root + 2]), head.project(features[0, :root + 1]),
-                                  [(block_ids, 0, root + 1)])[-1:]
+                                  [(block_ids, 0, root + 1)])[0][-1:]
             for s in range(3):
                 if s:
-                    state = spec._forward(torch.tensor([tokens[root + s + 1]]), state, [(block_ids, root + s, 1)])
+                    state, _ = spec._forward(torch.tensor([tokens[root + s + 1]]), state, [(block_ids, root + s, 1)])
                 torch.testing.assert_close(head.logits(state)[0], unrolled[s][0, root + s], atol=1e-4, rtol=1e-4)
 
 
