@@ -37,6 +37,8 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
+from specdec.transfer import upload
+
 __all__ = ["accept", "acceptance_rate", "expected_accepted_tokens", "sample"]
 
 # A residual max(p - q, 0) whose mass is at most this fraction of p's mass is
@@ -74,7 +76,7 @@ def accept(
     device = target_probs.device
     n_drafts = _num_drafts(draft_ids)  # [B], on draft_ids' device: given on the host, no sync to read it
     u_accept, u_race = _draw_uniforms(generators, n_drafts, batch, k, vocab, device)
-    draft_ids, n_drafts = draft_ids.to(device), n_drafts.to(device)
+    draft_ids, n_drafts = upload(draft_ids, device), upload(n_drafts, device)  # no wait for the forward
     n_accepted = _num_accepted(
         draft_ids, draft_probs, target_probs, n_drafts, u_accept.to(dtype)
     )  # [B]

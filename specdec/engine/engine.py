@@ -18,6 +18,7 @@ from specdec.errors import ConfigError, InvalidRequestError
 from specdec.models.attention import BACKENDS as ATTENTION_BACKENDS, kernel_device, set_attention_backend
 from specdec.models.transformer import CausalLM
 from specdec.sampling import SamplingParams, top_logprobs
+from specdec.transfer import upload
 
 
 @dataclasses.dataclass
@@ -395,7 +396,7 @@ class Engine:
         return True
 
     def _record_logprobs(self, req: Request, rows: torch.Tensor, tokens: list[int]) -> None:
-        ids = torch.tensor(tokens, device=rows.device)
+        ids = upload(tokens, rows.device)
         chosen, top_ids, top_vals = top_logprobs(rows, ids, req.params.logprobs)
         for t, lp, ti, tv in zip(tokens, chosen.tolist(), top_ids.tolist(), top_vals.tolist()):
             req.logprobs.append(TokenLogprobs(t, lp, list(zip(ti, tv))))

@@ -8,6 +8,7 @@ from specdec.engine.kv_cache import KVCache, slot_of
 from specdec.engine.scheduler import ScheduledSeq
 from specdec.models.attention import AttentionBatch
 from specdec.models.transformer import CausalLM
+from specdec.transfer import upload
 
 
 class ModelRunner:
@@ -84,7 +85,7 @@ class ModelRunner:
         return slot_of(block_ids, position, self.block_size)
 
     def _long(self, values) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.long, device=self.device)
+        return upload(values, self.device)
 
     def _batch(self, seqs: list[ScheduledSeq], starts, ctx, slots) -> AttentionBatch:
         return flat_attention_batch([s.request.block_ids for s in seqs], starts, ctx, slots, self.block_size,
@@ -96,7 +97,7 @@ def flat_attention_batch(block_ids: list[list[int]], starts: list[int], ctx: lis
     """The AttentionBatch of a flat step: sequence i's queries are rows starts[i]..starts[i + 1] (starts has one
     entry more than sequences), its context ctx[i] tokens, its keys in blocks block_ids[i]."""
     def long(values):
-        return torch.tensor(values, dtype=torch.long, device=device)
+        return upload(values, device)
 
     width = max(len(b) for b in block_ids)
     tables = [b + [0] * (width - len(b)) for b in block_ids]

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from specdec.engine.scheduler import ScheduledSeq
 from specdec.sampling import processed_probs_rows
+from specdec.transfer import upload
 from specdec.verify import accept
 
 
@@ -73,12 +74,12 @@ def _row_index(counts: list[int], device) -> tuple[torch.Tensor, torch.Tensor]:
     """(batch index, position index) of each of sum(counts) stacked rows, row b having counts[b] rows."""
     batch = [b for b, n in enumerate(counts) for _ in range(n)]
     position = [j for n in counts for j in range(n)]
-    return torch.tensor(batch, device=device), torch.tensor(position, device=device)
+    return upload(batch, device), upload(position, device)
 
 
 def _draft_probs(seq: ScheduledSeq, n: int, vocab: int, device) -> torch.Tensor:
     """[n, V] the drafter's distributions, one-hot for a deterministic drafter."""
     req = seq.request
     if req.draft_probs is None:
-        return F.one_hot(torch.tensor(req.draft_token_ids[:n], device=device), vocab).float()
+        return F.one_hot(upload(req.draft_token_ids[:n], device), vocab).float()
     return req.draft_probs[:n].to(device=device, dtype=torch.float32)
