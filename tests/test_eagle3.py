@@ -164,7 +164,7 @@ def sampled_eagle_llm(qwen3_dir, head_dir):
 
 
 def _token2_counts(llm, prompt, n, **params):
-    sp = SamplingParams(max_tokens=3, temperature=1.0, ignore_eos=True, **params)
+    sp = SamplingParams(max_tokens=3, ignore_eos=True, **{"temperature": 1.0, **params})
     outs = llm.generate([prompt] * n, sp)
     return np.bincount([o.token_ids[1] for o in outs], minlength=96), outs
 
@@ -189,14 +189,36 @@ def test_sampled_tokens_follow_the_target_distribution_through_head_graphs(qwen3
     assert len(padded) > 50  # the chain and the observes after verify steps went through the padded buckets
 
 
+def _accept_all(draft_ids, draft_probs, target_probs, generators=None):
+    """A broken verifier: every draft accepted, then a bonus token."""
+    bonus = torch.multinomial(target_probs[:, -1], 1)
+    return torch.cat([draft_ids, bonus], dim=1)
+
+
+@pytest.mark.parametrize("broken", [False, True])
+def test_at_temperature_0_7_with_top_p_the_tokens_follow_the_target(qwen3_dir, head_dir, broken, monkeypatch):
+    """The head drafts from its own distribution at the request's settings (T 0.7, top-p 0.9), through the
+    graphs; the emitted tokens follow the target's at those settings, and an accept-everything verifier fails."""
+    import specdec.engine.sampler as sampler
+
+    if broken:
+        monkeypatch.setattr(sampler, "accept", _accept_all)
+    llm = eagle_llm(qwen3_dir, head_dir, 2, max_num_seqs=64, kv_cache_tokens=16384, static_shapes=True,
+                    max_graph_batch=64)
+    prompt = [5, 17, 30, 2, 9]
+    counts, outs = _token2_counts(llm, prompt, 4000, temperature=0.7, top_p=0.9)
+    p = chi_square_p(counts, _exact_token2_marginal(qwen3_dir, prompt, temperature=0.7, top_p=0.9))
+    if broken:
+        assert p < 1e-6
+    else:
+        assert sum(o.num_accepted for o in outs) > 300 and sum(o.num_drafted - o.num_accepted for o in outs) > 300
+        assert p > 1e-3
+
+
 def test_negative_control_accept_everything_fails(qwen3_dir, sampled_eagle_llm, monkeypatch):
     import specdec.engine.sampler as sampler
 
-    def accept_all(draft_ids, draft_probs, target_probs, generators=None):
-        bonus = torch.multinomial(target_probs[:, -1], 1)
-        return torch.cat([draft_ids, bonus], dim=1)
-
-    monkeypatch.setattr(sampler, "accept", accept_all)
+    monkeypatch.setattr(sampler, "accept", _accept_all)
     prompt = [5, 17, 30, 2, 9]
     counts, _ = _token2_counts(sampled_eagle_llm, prompt, 4000)
     assert chi_square_p(counts, _exact_token2_marginal(qwen3_dir, prompt)) < 1e-6

@@ -393,15 +393,26 @@ def _token2_counts(llm, prompt, n):
     return np.bincount([o.token_ids[1] for o in outs], minlength=96), outs
 
 
-def _exact_token2_marginal(model_dir, prompt):
-    """P(second generated token) = sum_t p(t | prompt) p(. | prompt, t), from transformers."""
+def _sampled_distribution(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
+    """[N, V] float64 logits -> the distribution sampled at this temperature and top-p (the smallest set of
+    most likely tokens, ties by token order, whose mass reaches top_p, renormalised)."""
+    probs = (logits / temperature).softmax(-1)
+    if top_p >= 1.0:
+        return probs
+    ordered, order = probs.sort(dim=-1, descending=True, stable=True)
+    keep = torch.zeros_like(probs).scatter(-1, order, ((ordered.cumsum(-1) - ordered) < top_p).double())
+    return probs * keep / (probs * keep).sum(-1, keepdim=True)
+
+
+def _exact_token2_marginal(model_dir, prompt, temperature: float = 1.0, top_p: float = 1.0):
+    """P(second generated token) = sum_t p(t | prompt) p(. | prompt, t), from transformers, at these settings."""
     import transformers
 
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float64).eval()
     with torch.no_grad():
-        p1 = model(torch.tensor([prompt])).logits[0, -1].softmax(-1)  # [V]
+        p1 = _sampled_distribution(model(torch.tensor([prompt])).logits[0, -1:], temperature, top_p)[0]  # [V]
         batch = torch.tensor([prompt + [t] for t in range(96)])
-        p2 = model(batch).logits[:, -1].softmax(-1)  # [V, V]
+        p2 = _sampled_distribution(model(batch).logits[:, -1], temperature, top_p)  # [V, V]
     return (p1[:, None] * p2).sum(0).numpy()
 
 
