@@ -5,7 +5,9 @@ Every speculator drafts a fixed k (no controller) for the same held-out prompts,
 temperature 1 (drafts at the request's own settings, exact rejection sampling).  From the engine's counters:
   - conditional acceptance a_j: of the chains whose drafts 0..j-1 were accepted, the share accepting draft j;
   - the share of verify steps accepting at least j + 1 drafts, and tau (tokens per verify step);
-  - greedy outputs equal to plain decoding's (bf16 on a GPU: batch-shape rounding may split rare ties).
+  - greedy outputs equal to plain decoding's (bf16 on a GPU: batch-shape rounding may split rare ties);
+  - at temperature > 0, the target's own uncertainty on its replies (target_uncertainty): whether the target
+    or the drafter bounds acceptance.
 
 GPU run:      python3 bench/head_acceptance.py --head ref-head --out bench/results/head-acceptance-h200.json
 CPU dry run:  python3 bench/head_acceptance.py --device cpu --prompts 4 --max-tokens 16 --out /tmp/acc.json
@@ -61,6 +63,27 @@ def measure(model: str, config: SpecConfig | None, prompts: list[str], params: S
     return row, [o.token_ids for o in outs]
 
 
+def target_uncertainty(model: str, prompts: list[str], params: SamplingParams, device: str) -> dict:
+    """How predictable the target is on its own replies at these settings: the mean entropy (nats) of the
+    distribution it samples each reply token from, and the mean probability of its most likely token (what a
+    drafter proposing exactly the target's argmax would be accepted at; a drafter sampling exactly the
+    target's distribution would be accepted always)."""
+    from specdec.sampling import processed_probs
+
+    llm = LLM(model, device=device, kv_cache_tokens=65536, cuda_graphs=False)
+    entropy, top, count = 0.0, 0.0, 0
+    for prompt, out in zip(prompts, llm.generate(prompts, params)):
+        ids = llm.encode(prompt)
+        logits = llm.engine.all_logits(ids + out.token_ids)[len(ids) - 1:-1]  # [reply, V]: each reply token's
+        probs = processed_probs(logits.float(), params)  # the distribution it was drawn from
+        entropy += float(-(probs * probs.clamp_min(1e-30).log()).sum())
+        top += float(probs.max(-1).values.sum())
+        count += probs.shape[0]
+    del llm
+    return {"entropy_nats": round(entropy / max(1, count), 4), "argmax_probability": round(top / max(1, count), 4),
+            "tokens": count}
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--target", default="ref-target")
@@ -79,6 +102,9 @@ def main(argv=None) -> int:
     for temperature in (float(t) for t in args.temperatures.split(",")):
         params = SamplingParams(max_tokens=args.max_tokens, temperature=temperature, ignore_eos=True, seed=0)
         plain = measure(args.target, None, prompts, params, args.device, args.k)[1] if temperature == 0 else None
+        if temperature > 0:
+            record["rows"][f"target-t{temperature:g}"] = target_uncertainty(args.target, prompts, params, args.device)
+            print(f"target  T={temperature:g}  {record['rows'][f'target-t{temperature:g}']}", flush=True)
         for name, config in speculators(args.head, args.drafter, args.k).items():
             row, outputs = measure(args.target, config, prompts, params, args.device, args.k)
             if plain is not None:
