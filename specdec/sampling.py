@@ -7,6 +7,7 @@ import dataclasses
 import torch
 
 from specdec.errors import InvalidRequestError
+from specdec.transfer import upload
 
 
 @dataclasses.dataclass
@@ -90,7 +91,7 @@ def processed_probs_rows(logits: torch.Tensor, params: list[SamplingParams]) -> 
         return processed_probs(logits, params[0])
     out = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
     for rows in groups.values():
-        index = torch.tensor(rows, device=logits.device)
+        index = upload(rows, logits.device)
         out[index] = processed_probs(logits[index], params[rows[0]])
     return out
 

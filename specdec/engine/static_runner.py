@@ -114,12 +114,15 @@ class StaticRunner:
         return self.q_ladder[i] if i < len(self.q_ladder) else q
 
     def can_run(self, seqs: list[ScheduledSeq]) -> bool:
-        shape = batch, q, context = self.shape_of(seqs)  # max_batch and max_context are powers of two
+        return self.shape_fits(self.shape_of(seqs)) and all(
+            s.samples and s.request.num_tokens - s.request.num_computed == s.num_new - s.num_drafts for s in seqs)
+
+    def shape_fits(self, shape: tuple[int, int, int]) -> bool:
+        """Whether a (batch, q, context) bucket runs padded: within the buffers, and captured once frozen."""
+        batch, q, context = shape  # max_batch and max_context are powers of two
         if self.frozen and shape not in self.shapes:
             return False  # e.g. a drafter catching up 7 tokens: one eager step beats a capture mid-serve
-        return (batch <= self.max_batch and q <= self.max_q and context <= self.max_context
-                and all(s.samples and s.request.num_tokens - s.request.num_computed == s.num_new - s.num_drafts
-                        for s in seqs))
+        return batch <= self.max_batch and q <= self.max_q and context <= self.max_context
 
     @torch.inference_mode()
     def run(self, seqs: list[ScheduledSeq], fed_ids: torch.Tensor | None = None) -> list[torch.Tensor]:

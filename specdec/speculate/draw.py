@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from specdec.sampling import SamplingParams, processed_probs_rows
+from specdec.transfer import upload
 from specdec.verify import sample
 
 
@@ -23,8 +24,7 @@ def draw_drafts(logits: torch.Tensor, params: list[SamplingParams], generators: 
     if not sampled:
         best = logits.argmax(-1)  # [B]
         return (best if target_ids is None else target_ids[best]), qs
-    # an index tensor made from a host list waits for the device: none when every row samples (the usual)
-    index = None if len(sampled) == len(params) else torch.tensor(sampled, device=logits.device)
+    index = None if len(sampled) == len(params) else upload(sampled, logits.device)  # none when all sample
     q = processed_probs_rows(logits if index is None else logits[index], [params[i] for i in sampled])  # [S, Vd]
     if uniforms is not None and index is not None:
         uniforms = uniforms[index]

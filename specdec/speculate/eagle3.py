@@ -36,6 +36,7 @@ from specdec.models.eagle3 import Eagle3Head
 from specdec.speculate.base import Speculator
 from specdec.speculate.draw import draw_drafts, in_target_vocab
 from specdec.speculate.head_graphs import HeadGraphs
+from specdec.transfer import upload
 
 
 class HeadState:
@@ -202,12 +203,14 @@ class Eagle3Speculator(Speculator):
     # ------------------------------------------------------------------ the head's forward
 
     def _forward(self, ids: list[int] | torch.Tensor, states: torch.Tensor, layout: list[tuple[list[int], int, int]]
-                 ) -> torch.Tensor:
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """ids [T] (host list or device tensor), states [T, H]; layout: per sequence (block ids, first position,
         tokens), rows in order -> (the head's outputs [T, H], their logits [T, V_draft] from a padded forward, or
         None from an eager one); its keys/values are written at those positions."""
-        if self.graphs is not None and self.graphs.fits(layout):
-            return self.graphs.run_layout(layout, ids, states)
+        if self.graphs is not None:
+            shape = self.graphs.layout_shape(layout)
+            if self.graphs.shape_fits(shape):
+                return self.graphs.run_layout(layout, shape, ids, states)
         self.stats["head_eager_forwards"] += 1
         starts, ctx, positions, slots = [0], [], [], []
         for blocks, start, count in layout:
@@ -216,9 +219,9 @@ class Eagle3Speculator(Speculator):
             positions.extend(range(start, start + count))
             slots.extend(slot_of(blocks, p, self.block_size) for p in range(start, start + count))
         batch = flat_attention_batch([b for b, _, _ in layout], starts, ctx, slots, self.block_size, self.device)
-        positions = torch.tensor(positions, dtype=torch.long, device=self.device)
+        positions = upload(positions, self.device)
         if isinstance(ids, list):
-            ids = torch.tensor(ids, dtype=torch.long, device=self.device)
+            ids = upload(ids, self.device)
         return self.head(ids, positions, states, batch, self.kv.layers[0]), None
 
     def precapture_graphs(self, ks: list[int]) -> int:

@@ -36,23 +36,18 @@ class HeadGraphs(StaticRunner):
         rows = self.max_batch * max_q
         self.states = torch.zeros(rows, head.config.layer.hidden_size, dtype=head.lm_head.weight.dtype,
                                   device=device)  # [rows, H] the padded forward's input states
-        self.row_index = torch.zeros(rows, dtype=torch.long, device=device)  # overwritten per forward
 
-    def fits(self, layout: Layout) -> bool:
-        shape = batch, q, context = self.bucket(len(layout), max(n for _, _, n in layout),
-                                                max(start for _, start, _ in layout))
-        if self.frozen and shape not in self.shapes:
-            return False
-        return batch <= self.max_batch and q <= self.max_q and context <= self.max_context
+    def layout_shape(self, layout: Layout) -> tuple[int, int, int]:
+        """The (batch, q, context) bucket of a forward of this layout (shape_fits says whether it runs padded)."""
+        return self.bucket(len(layout), max(n for _, _, n in layout), max(start for _, start, _ in layout))
 
     @torch.inference_mode()
-    def run_layout(self, layout: Layout, ids: list[int] | torch.Tensor, states: torch.Tensor
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    def run_layout(self, layout: Layout, shape: tuple[int, int, int], ids: list[int] | torch.Tensor,
+                   states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The head's outputs [T, H] and their logits [T, V_draft] (views of a fresh tensor) for T = sum of the
-        layout's token counts, fed ids [T] (a host list, or a device tensor when every sequence feeds one
-        token) beside states [T, H]."""
-        batch, q, context = self.bucket(len(layout), max(n for _, _, n in layout),
-                                        max(start for _, start, _ in layout))
+        layout's token counts, padded to shape (layout_shape), fed ids [T] (a host list, or a device tensor
+        when every sequence feeds one token) beside states [T, H]."""
+        batch, q, context = shape
         host_ids = isinstance(ids, list)
         rows, taken, index = [], 0, []
         for blocks, start, count in layout:
