@@ -103,7 +103,7 @@ def profile_phases(llm: LLM, prompt: str, params: SamplingParams, steps: int) ->
     targets = [("propose", spec, "propose"), ("observe", spec, "observe"), ("schedule", engine.scheduler, "schedule"),
                ("verify forward", engine.runner, "forward"), ("accept", engine_module, "sample_tokens"),
                ("commit", engine, "_commit")]
-    saved = []
+    saved, host_s = [], collections.Counter()  # host_s: each phase's wall seconds, timed by its wrapper
     for label, owner, attr in targets:
         if owner is None:
             continue
@@ -112,29 +112,38 @@ def profile_phases(llm: LLM, prompt: str, params: SamplingParams, steps: int) ->
 
         def wrapped(*a, _f=original, _label=label, **kw):
             with record_function(_label):
-                return _f(*a, **kw)
+                t = time.perf_counter()
+                try:
+                    return _f(*a, **kw)
+                finally:
+                    host_s[_label] += time.perf_counter() - t
         setattr(owner, attr, wrapped)
-    req = engine.add_request(llm.tokenizer.encode(prompt), dataclasses.replace(params, max_tokens=steps * 8))
-    for _ in range(3):  # past the prefill
-        engine.step()
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if engine.device.type == "cuda" else [])
-    sync(engine.device)
-    t0 = time.perf_counter()
-    with profile(activities=activities) as prof:
-        done = 0
-        while done < steps and not req.finished:
+    try:
+        req = engine.add_request(llm.tokenizer.encode(prompt), dataclasses.replace(params, max_tokens=steps * 8))
+        for _ in range(3):  # past the prefill
             engine.step()
-            done += 1
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if engine.device.type == "cuda" else [])
         sync(engine.device)
-    wall = time.perf_counter() - t0
-    while not req.finished:
-        engine.step()
-    for owner, attr, original in saved:
-        setattr(owner, attr, original)
+        host_s.clear()
+        t0 = time.perf_counter()
+        with profile(activities=activities) as prof:
+            done = 0
+            while done < steps and not req.finished:
+                engine.step()
+                done += 1
+            sync(engine.device)
+        wall = time.perf_counter() - t0
+        measured = dict(host_s)
+        while not req.finished:
+            engine.step()
+    finally:
+        for owner, attr, original in saved:
+            setattr(owner, attr, original)
     events = prof.key_averages()
     ms_per_step = 1e-3 / max(1, done)  # profiler times are microseconds
     labels = {label for label, _, _ in targets}
-    phases = {e.key: {"host_ms": e.cpu_time_total * ms_per_step, "device_ms": e.device_time_total * ms_per_step}
+    phases = {e.key: {"host_ms": 1e3 * measured.get(e.key, 0.0) / max(1, done),
+                      "device_ms": e.device_time_total * ms_per_step}
               for e in events if e.key in labels}
     kernels = sum(e.self_device_time_total for e in events)
     def top(time_of):
