@@ -22,6 +22,7 @@ from bench.common import copy_bandwidth_gbs, environment, sync, timed, write_jso
 from specdec.engine.engine import Engine, EngineConfig  # noqa: E402
 from specdec.engine.scheduler import ScheduledSeq  # noqa: E402
 from specdec.models.config import ModelConfig  # noqa: E402
+from specdec.models.fused import enable_fused_kernels  # noqa: E402
 from specdec.models.loader import random_model  # noqa: E402
 from specdec.sampling import SamplingParams  # noqa: E402
 
@@ -42,7 +43,7 @@ def weight_bytes(model) -> int:
 ATTENTION_BACKEND = None  # --attention-backend: every engine of the run
 
 
-def make_engine(model, batch: int, context: int, kv_tokens: int, fused: bool = False,
+def make_engine(model, batch: int, context: int, kv_tokens: int, fused: bool | None = None,
                 compile_graphs: str | None = None) -> Engine:
     config = EngineConfig(kv_cache_tokens=kv_tokens, max_num_seqs=max(batch, 1), max_num_batched_tokens=8192,
                           max_graph_batch=max(batch, 1), max_graph_context=context + 1024, fused_kernels=fused,
@@ -158,9 +159,8 @@ def kernel_profile(engine: Engine, steps: int = 5, top: int = 15) -> dict:
                     for e in rows]}
 
 
-VARIANTS = {  # name -> make_engine options; the elementwise kernels, once compiled, stay so: keep them last
+VARIANTS = {  # name -> make_engine options (the main table runs the engine's defaults)
     "compiled-graphs": dict(compile_graphs="inductor"),
-    "fused-elementwise": dict(fused=True),
 }
 
 
@@ -192,6 +192,26 @@ def variant_rows(model, args, vocab: int, gen, device, save=lambda rows: None) -
             save(rows)
             torch.cuda.empty_cache()
     return rows
+
+
+def table_row(model, args, batch: int, context: int, first_context: int, vocab: int, gen, device,
+              verify: list) -> dict:
+    """One (batch, context) row of the decode table; at the first context also the verify costs (into
+    `verify`) and, at batch 1 on a GPU, a kernel profile."""
+    engine = make_engine(model, batch, context, batch * 64 + context + 64 * (args.max_k + 2) * batch)
+    prefill = start_requests(engine, batch, context, vocab, gen)
+    ms = decode_step_ms(engine, args.steps)
+    row = {"batch": batch, "context": context, "step_ms": ms, "tok_s": batch * 1e3 / ms, "prefill_tok_s": prefill}
+    if engine.runner.static is not None and engine.runner.static.capture:
+        row["graph_vs_eager_max_abs_diff"] = check_graph_replay(engine)
+    if batch == 1 and context == first_context and device.type == "cuda":
+        row["profile"] = kernel_profile(engine)
+    if context == first_context and batch in (1, 8, 32) and args.max_k > 0:
+        one = verify_cost_ms(engine, 0, vocab)
+        for k in range(args.max_k + 1):
+            ms_k = verify_cost_ms(engine, k, vocab)
+            verify.append({"batch": batch, "k": k, "forward_ms": ms_k, "relative": ms_k / one})
+    return row
 
 
 def main(argv=None) -> int:
@@ -231,32 +251,24 @@ def main(argv=None) -> int:
         results.update(check_against_transformers(model, config_dict, device, config_dict["vocab_size"]))
         print({k: v for k, v in results.items() if k.startswith("hf_")})
 
+    # The engine's GPU default compiles the elementwise pieces, process-wide and for good: do it before any
+    # engine so that every row of the table (and the transformers check) runs the same kernels.
+    results["fused_kernels"] = device.type == "cuda" and enable_fused_kernels()
     table, verify, gen = [], [], torch.Generator().manual_seed(0)
     for context in contexts:
         for batch in batches:
-            kv_tokens = batch * 64 + context + 64 * (args.max_k + 2) * batch
-            engine = make_engine(model, batch, context, kv_tokens)
-            prefill = start_requests(engine, batch, context, config_dict["vocab_size"], gen)
-            ms = decode_step_ms(engine, args.steps)
-            row = {"batch": batch, "context": context, "step_ms": ms, "tok_s": batch * 1e3 / ms,
-                   "prefill_tok_s": prefill}
-            if engine.runner.static is not None and engine.runner.static.capture:
-                row["graph_vs_eager_max_abs_diff"] = check_graph_replay(engine)
-            if batch == 1 and context == contexts[0] and device.type == "cuda":
-                row["profile"] = kernel_profile(engine)
-            if context == contexts[0] and batch in (1, 8, 32) and args.max_k > 0:
-                one = verify_cost_ms(engine, 0, config_dict["vocab_size"])
-                for k in range(args.max_k + 1):
-                    ms_k = verify_cost_ms(engine, k, config_dict["vocab_size"])
-                    verify.append({"batch": batch, "k": k, "forward_ms": ms_k, "relative": ms_k / one})
+            try:
+                row = table_row(model, args, batch, context, contexts[0], config_dict["vocab_size"], gen, device,
+                                verify)
+            except torch.OutOfMemoryError:  # a row that does not fit this GPU is a finding, not a lost run
+                row = {"batch": batch, "context": context, "error": "out of memory"}
             table.append(row)
             print(row, flush=True)
-            del engine
             if device.type == "cuda":
                 torch.cuda.empty_cache()
     results["decode"] = table
     results["verify_cost"] = verify
-    bs1 = next(r for r in table if r["batch"] == 1 and r["context"] == contexts[0])
+    bs1 = next(r for r in table if r["batch"] == 1 and r["context"] == contexts[0] and "step_ms" in r)
     results["step_ms_bs1"] = bs1["step_ms"]
     results["attention_backend"] = args.attention_backend or "sdpa"
     results.update(commit=results["env"].get("commit"), date=results["env"].get("date"))
