@@ -52,7 +52,9 @@ def draft_logits(head, target, ids: list[int], passes: int = 3) -> list[torch.Te
     return out
 
 
-@pytest.mark.parametrize("noise,tol", [(0.0, 1e-4), (1e-6, 1e-3)])
+# Without noise the twin differs only in float32 summation order over padded dimensions: logits of
+# magnitude ~3 agree to ~1e-4 after four fed-back passes, to a degree that depends on the CPU's BLAS.
+@pytest.mark.parametrize("noise,tol", [(0.0, 5e-4), (1e-6, 1e-3)])
 def test_twin_head_gives_the_small_heads_logits_and_drafts(small, head, noise, tol):
     twin = make_twin(small, SHAPE, noise=noise)
     twin_head = make_head_twin(head, twin, SHAPE, noise=noise, small_target=small)
