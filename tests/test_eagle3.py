@@ -210,8 +210,9 @@ def test_at_temperature_0_7_with_top_p_the_tokens_follow_the_target(qwen3_dir, h
     p = chi_square_p(counts, _exact_token2_marginal(qwen3_dir, prompt, temperature=0.7, top_p=0.9))
     if broken:
         assert p < 1e-6
-    else:
-        assert sum(o.num_accepted for o in outs) > 300 and sum(o.num_drafted - o.num_accepted for o in outs) > 300
+    else:  # a few hundred accepted and rejected drafts each (of 8000) give the test its power
+        accepted = sum(o.num_accepted for o in outs)
+        assert accepted > 200 and sum(o.num_drafted for o in outs) - accepted > 200
         assert p > 1e-3
 
 
