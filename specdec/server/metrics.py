@@ -38,6 +38,7 @@ REMOTE_COUNTERS = {
     "remote_failures": ("remote_draft_failures", "/draft requests that failed (each one an empty draft)"),
     "remote_timeouts": ("remote_draft_timeouts", "/draft requests that timed out"),
     "remote_fallbacks": ("remote_draft_fallbacks", "Pauses of speculation after consecutive /draft failures"),
+    "remote_recoveries": ("remote_draft_recoveries", "Times the /draft server answered again after failing"),
 }
 
 
@@ -78,6 +79,9 @@ class _EngineCollector:
         if "remote_fallback" in snap:
             yield GaugeMetricFamily("specdec_remote_draft_fallback", "1 while /draft is being left alone",
                                     value=float(bool(snap["remote_fallback"])))
+        if "remote_failures_by_reason" in snap:
+            yield _labelled_counter("specdec_remote_draft_failures_by_reason", "/draft requests that failed, by why",
+                                    "reason", snap["remote_failures_by_reason"])
         per_pos = CounterMetricFamily("specdec_spec_accepted_per_position",
                                       "Draft tokens accepted at each position of a draft (0 = first)",
                                       labels=["position"])
@@ -97,6 +101,13 @@ class _EngineCollector:
             peak.add_metric(["device"], torch.cuda.max_memory_allocated(device))
         peak.add_metric(["rss"], peak_rss_bytes())
         yield peak
+
+
+def _labelled_counter(name: str, doc: str, label: str, counts: dict) -> CounterMetricFamily:
+    family = CounterMetricFamily(name, doc, labels=[label])
+    for value, count in counts.items():
+        family.add_metric([value], count)
+    return family
 
 
 def peak_rss_bytes() -> int:
