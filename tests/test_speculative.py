@@ -521,11 +521,13 @@ def test_verify_steps_with_fewer_drafts_round_up_to_a_captured_shape(qwen3_dir, 
     assert {q for _, q, _ in used} == {1, 5}  # ... and ran as the q = 5 shape
 
 
-def test_step_costs_are_measured_on_the_path_served_steps_take(qwen3_dir, drafter_dir):
+def test_step_costs_are_measured_on_the_path_served_steps_take(qwen3_dir, drafter_dir, plain, monkeypatch):
     """After start-up (and its CUDA-graph capture on a GPU) the controller's cost tables come from decode-shaped
     steps through the fixed-shape runner up to its batch limit, larger ones eagerly, for target and drafter;
-    and for the target from verify-shaped steps, B sequences of k + 1 tokens for every k it may choose."""
-    from specdec.speculate.build import calibrate
+    and for the target from verify-shaped steps, B sequences of k + 1 tokens for every k it may choose.  The
+    controller prices steps with exactly those measured tables (positive times), and the engine then serves the
+    plain engine's tokens."""
+    from specdec.speculate import build
 
     llm = spec_llm(qwen3_dir, SpecConfig("draft", model=str(drafter_dir), num_draft_tokens=4), static_shapes=True,
                    max_graph_batch=8, max_graph_context=256, max_num_seqs=8)
@@ -539,14 +541,26 @@ def test_step_costs_are_measured_on_the_path_served_steps_take(qwen3_dir, drafte
         runner.static.run = lambda seqs, *ids, run=run, name=name: shapes[name].append(
             (len(seqs), max(s.num_new for s in seqs))) or run(seqs, *ids)
     eager = {name: runner.eager_forwards for name, runner in runners.items()}
-    calibrate(controller, llm.engine, llm.engine.speculator)
+    measured = []  # what measure_tables returned
+    measure = build.measure_tables
+    monkeypatch.setattr(build, "measure_tables", lambda *a: measured.append(measure(*a)) or measured[-1])
+    build.calibrate(controller, llm.engine, llm.engine.speculator)
     assert {b for b, q in shapes["drafter"]} == {1, 2, 4, 8}  # n sequences of one token, n up to the graph batch
     assert {q for b, q in shapes["drafter"]} == {1}
     verify_shapes = {(b, k + 1) for k in controller.candidates() for b in (1, 2, 4, 8)}
     assert verify_shapes <= set(shapes["target"])  # decode (k = 0) and verify steps, all fixed-shape
     assert sorted(controller.costs.verify) == controller.candidates() == [0, 1, 2, 4]
     assert llm.engine.runner.eager_forwards > eager["target"]  # 16 tokens and more: eagerly
-    assert [o.token_ids for o in llm.generate(mixed_prompts(), GREEDY)]  # the engine still serves
+    assert_prices_steps_with(controller.costs, *measured[0])
+    assert [o.token_ids for o in llm.generate(mixed_prompts(), GREEDY)] == plain  # the engine still serves
+
+
+def assert_prices_steps_with(costs: MeasuredCosts, target: StepCostTable, draft: StepCostTable,
+                             verify: dict[int, StepCostTable]) -> None:
+    """The controller's costs are these measured tables, each a positive, finite time at every point."""
+    assert costs.target is target and costs.draft is draft and costs.verify is verify
+    for table in [target, draft, *verify.values()]:
+        assert all(0 < t < float("inf") for t in table.seconds), table.seconds
 
 
 def test_goodput_guard_turns_off_speculation_that_measurably_loses():
