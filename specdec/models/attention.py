@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from specdec.kernels.tree_mask import tree_layout
+from specdec.models.recurrent_state import StateBatch
 
 BACKENDS = ("sdpa", "triton")
 KERNEL_MAX_QUERIES = 17  # the Triton kernel's row tile: a verify of 16 drafts plus one
@@ -91,6 +92,9 @@ class AttentionBatch:
     key_slots: torch.Tensor | None = None  # [B, max_ctx] cache slot of each key (0 for padding)
     mask: torch.Tensor | None = None  # [B, 1, max_q, max_ctx] bool, True = may attend
     _bias: dict = dataclasses.field(default_factory=dict)  # dtype -> additive mask (0 / -inf)
+    # Recurrent state of a hybrid model's linear-attention layers (specdec/models/recurrent_state.py); None for
+    # models without any.
+    states: StateBatch | None = None
 
     @property
     def num_seqs(self) -> int:

@@ -1,0 +1,175 @@
+"""The Gated DeltaNet linear-attention layer of Qwen3.5 over the flat ragged step layout.
+
+A layer projects all T rows of the step at once, then runs its recurrence per group of sequences that
+feed the same number of tokens (`plan_groups`, built once per step and shared by every linear layer):
+each group's states are read from the pools in one gather, advanced together, and written back in one
+scatter (deferred sequences excepted: see specdec/models/recurrent_state.py).  Groups of at most
+RECURRENT_MAX_TOKENS tokens per sequence (decode, verify) take the token-by-token form, longer ones
+(prefill) the chunked form (specdec/models/delta_rule.py).
+
+Module names follow the Hugging Face checkpoint (model.layers.N.linear_attn.in_proj_qkv ...).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specdec.models.attention import AttentionBatch
+from specdec.models.config import ModelConfig
+from specdec.models.delta_rule import causal_conv, chunked, l2_normalize, recurrent
+from specdec.models.fused_linear import FusedProjection, fuse
+from specdec.models.recurrent_state import Deferred, StateBatch
+from specdec.transfer import upload
+
+RECURRENT_MAX_TOKENS = 17  # a verify step of 16 drafts plus one; longer runs per sequence go chunked
+
+
+@dataclasses.dataclass
+class SequenceGroup:
+    """The step's sequences that each feed n tokens."""
+
+    seqs: list[int]  # their indices among the step's sequences
+    rows: torch.Tensor  # [m, n] long: flat row of each one's j-th token
+    slots: torch.Tensor  # [m] long: their state slots
+    deferred: list[int]  # positions (in the group) of the deferred ones; empty: none
+    kept: torch.Tensor | None = None  # [m'] positions of the others (state written back), when some are deferred
+    deferred_index: torch.Tensor | None = None  # [m - m'] the deferred positions, when there are any
+
+    @property
+    def n(self) -> int:
+        return int(self.rows.shape[1])
+
+    @property
+    def recurrent(self) -> bool:
+        return self.n <= RECURRENT_MAX_TOKENS
+
+
+def plan_groups(batch: AttentionBatch) -> list[SequenceGroup]:
+    """Group a step's sequences by how many tokens they feed.  Example: query counts (1, 5, 1), so flat rows
+    0 | 1..5 | 6 -> a group n = 1 of sequences [0, 2] with rows [[0], [6]], and n = 5 of [1] with rows
+    [[1, 2, 3, 4, 5]].  Uses batch.host_lens (else reads query_start from the device: a sync)."""
+    states = batch.states
+    counts = batch.host_lens[0] if batch.host_lens is not None else \
+        (batch.query_start[1:] - batch.query_start[:-1]).tolist()
+    if len(states.slots) != len(counts) or len(states.defer) != len(counts):
+        raise ValueError(f"StateBatch has {len(states.slots)} slots and {len(states.defer)} defer flags for a "
+                         f"step of {len(counts)} sequences: give one of each per sequence")
+    starts = [0, *itertools.accumulate(counts)]
+    by_count: dict[int, list[int]] = {}
+    for i, n in enumerate(counts):
+        if n:
+            by_count.setdefault(n, []).append(i)
+    device = batch.query_start.device
+    groups = []
+    for n, seqs in by_count.items():
+        group = SequenceGroup(seqs=seqs, rows=upload([[starts[i] + j for j in range(n)] for i in seqs], device),
+                              slots=upload([states.slots[i] for i in seqs], device),
+                              deferred=[p for p, i in enumerate(seqs) if states.defer[i]])
+        if group.deferred:
+            group.kept = upload([p for p, i in enumerate(seqs) if not states.defer[i]], device)
+            group.deferred_index = upload(group.deferred, device)
+        groups.append(group)
+    return groups
+
+
+class GatedRMSNorm(nn.Module):
+    """weight * x / rms(x) * silu(z) over each value head (the norm in float32, cast before the weight, the
+    gate in float32, as transformers does).  Not zero-centred: the weight starts at one."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight * x32.to(x.dtype) * F.silu(z.float())).to(x.dtype)
+
+
+class GatedDeltaNet(nn.Module):
+    """forward(x [T, hidden], groups, states) -> [T, hidden].  state_index: this layer's place among the
+    model's linear layers, i.e. its entry in states.conv / states.ssm."""
+
+    def __init__(self, config: ModelConfig, state_index: int):
+        super().__init__()
+        c = config
+        self.state_index = state_index
+        self.num_k_heads, self.num_v_heads = c.linear_num_key_heads, c.linear_num_value_heads
+        self.k_dim, self.v_dim = c.linear_key_head_dim, c.linear_value_head_dim
+        self.key_width, self.value_width = c.linear_key_dim, c.linear_value_dim
+        conv_dim, kernel = c.linear_conv_dim, c.linear_conv_kernel_dim
+        self.in_proj_qkv = nn.Linear(c.hidden_size, conv_dim, bias=False)
+        self.in_proj_z = nn.Linear(c.hidden_size, self.value_width, bias=False)
+        self.in_proj_b = nn.Linear(c.hidden_size, self.num_v_heads, bias=False)
+        self.in_proj_a = nn.Linear(c.hidden_size, self.num_v_heads, bias=False)
+        self.conv1d = nn.Conv1d(conv_dim, conv_dim, kernel, groups=conv_dim, bias=False, padding=kernel - 1)
+        self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads))
+        self.A_log = nn.Parameter(torch.zeros(self.num_v_heads))
+        self.norm = GatedRMSNorm(self.v_dim, c.rms_norm_eps)
+        self.out_proj = nn.Linear(self.value_width, c.hidden_size, bias=False)
+        self.in_proj: FusedProjection | None = None  # set by fuse_projections()
+
+    def fuse_projections(self) -> bool:
+        if self.in_proj is None or not self.in_proj.valid():
+            self.in_proj = fuse([self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a])
+        return self.in_proj is not None
+
+    def project(self, x: torch.Tensor):
+        """x [T, hidden] -> mixed q/k/v before the conv [T, conv_dim], z [T, Hv*Dv], b [T, Hv], a [T, Hv]."""
+        if self.in_proj is not None:
+            return tuple(self.in_proj(x))
+        return self.in_proj_qkv(x), self.in_proj_z(x), self.in_proj_b(x), self.in_proj_a(x)
+
+    def forward(self, x: torch.Tensor, groups: list[SequenceGroup], states: StateBatch) -> torch.Tensor:
+        tokens = x.shape[0]
+        mixed, z, b, a = self.project(x)
+        core = x.new_empty(tokens, self.num_v_heads, self.v_dim)  # [T, Hv, Dv]
+        for group in groups:
+            core[group.rows.flatten()] = self._attend_group(group, mixed, b, a, states).flatten(0, 1)
+        out = self.norm(core, z.view(tokens, self.num_v_heads, self.v_dim))
+        return self.out_proj(out.reshape(tokens, self.value_width))
+
+    def _attend_group(self, group: SequenceGroup, mixed: torch.Tensor, b: torch.Tensor, a: torch.Tensor,
+                      states: StateBatch) -> torch.Tensor:
+        """One group's [m, n, Hv, Dv] outputs (x's dtype), its states advanced or recorded."""
+        rows, (m, n) = group.rows, group.rows.shape
+        conv_pool, ssm_pool = states.conv[self.state_index], states.ssm[self.state_index]
+        conved, window = causal_conv(mixed[rows], conv_pool[group.slots], self.conv1d.weight)  # [m, n, C]
+        q, k, v = conved.split([self.key_width, self.key_width, self.value_width], dim=-1)
+        repeat = self.num_v_heads // self.num_k_heads  # value heads per key head
+        q = l2_normalize(q.reshape(m, n, self.num_k_heads, self.k_dim).float()) * self.k_dim**-0.5
+        k = l2_normalize(k.reshape(m, n, self.num_k_heads, self.k_dim).float())  # [m, n, Hk, Dk]
+        v = v.reshape(m, n, self.num_v_heads, self.v_dim)  # [m, n, Hv, Dv], x's dtype
+        beta = b[rows].sigmoid().float()  # [m, n, Hv]
+        g = -self.A_log.float().exp() * F.softplus(a[rows].float() + self.dt_bias)  # [m, n, Hv], <= 0
+        form = recurrent if group.recurrent else chunked
+        out, final = form(q.repeat_interleave(repeat, dim=2), k.repeat_interleave(repeat, dim=2), v.float(), g,
+                          beta, ssm_pool[group.slots])
+        self._store(group, states, window, final, (k, v, g, beta))
+        return out.to(mixed.dtype)
+
+    def _store(self, group: SequenceGroup, states: StateBatch, window: torch.Tensor, final: torch.Tensor,
+               kvgb: tuple[torch.Tensor, ...]) -> None:
+        """Write the advanced states of the group's non-deferred sequences to their slots; record the rest."""
+        conv_pool, ssm_pool = states.conv[self.state_index], states.ssm[self.state_index]
+        width = conv_pool.shape[-1]
+        new_conv = window[..., window.shape[-1] - width:]  # the last K-1 inputs
+        if not group.deferred:
+            conv_pool[group.slots] = new_conv.to(conv_pool.dtype)
+            ssm_pool[group.slots] = final
+            return
+        if group.kept.numel():
+            kept = group.kept
+            conv_pool[group.slots[kept]] = new_conv[kept].to(conv_pool.dtype)
+            ssm_pool[group.slots[kept]] = final[kept]
+        d = group.deferred_index
+        k, v, g, beta = (t[d] for t in kvgb)
+        states.pending.setdefault(self.state_index, []).append(Deferred(
+            seqs=[group.seqs[p] for p in group.deferred], slots=group.slots[d], window=window[d],
+            k=k, v=v, g=g, beta=beta))
