@@ -37,8 +37,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-fused-kernels", action="store_true",
                         help="on a GPU, run the plain PyTorch elementwise kernels instead of compiled fused ones")
     parser.add_argument("--attention-backend", choices=("sdpa", "triton"), default=None,
-                        help="attention of decode / verify steps: 'triton' reads the paged KV cache in a kernel, "
-                             "'sdpa' (the default) gathers it for PyTorch's SDPA")
+                        help="attention of decode / verify steps: 'triton' (the default on a GPU) reads the paged "
+                             "KV cache in a kernel, 'sdpa' (the default elsewhere) gathers it for PyTorch's SDPA")
     parser.add_argument("--tensor-parallel-size", type=int, default=1,
                         help="split the model over N GPUs; launch with torchrun --nproc-per-node N")
 

@@ -218,6 +218,17 @@ def test_engine_attention_backend_defaults_to_sdpa_and_refuses_what_cannot_run(q
     assert attention.attention_backend() == "sdpa"
 
 
+def test_the_default_backend_is_the_kernel_on_a_gpu_with_triton(monkeypatch):
+    import specdec.engine.engine as engine
+
+    monkeypatch.setattr(engine, "kernel_device", lambda device: device.type == "cuda")
+    has_triton = importlib.util.find_spec("triton") is not None
+    assert engine.default_attention_backend(torch.device("cuda")) == ("triton" if has_triton else "sdpa")
+    assert engine.default_attention_backend(torch.device("cpu")) == "sdpa"
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)  # no triton installed
+    assert engine.default_attention_backend(torch.device("cuda")) == "sdpa"
+
+
 @child_only
 def test_triton_backend_runs_decode_and_verify_steps(triton_backend):
     q, k_cache, v_cache, batch = make_case(*RAGGED, 16, seed=8)

@@ -21,6 +21,13 @@ from specdec.sampling import SamplingParams, top_logprobs
 from specdec.transfer import upload
 
 
+def default_attention_backend(device: torch.device) -> str:
+    """The paged Triton kernel on a GPU with triton installed (it reads the blocks directly; the decode table
+    in docs/BENCHMARKS.md), SDPA over the gathered keys everywhere else."""
+    has_triton = importlib.util.find_spec("triton") is not None
+    return "triton" if has_triton and kernel_device(device) else "sdpa"
+
+
 @dataclasses.dataclass
 class EngineConfig:
     block_size: int = 16
@@ -51,9 +58,9 @@ class EngineConfig:
     # CUDA graphs on a GPU, unless tensor-parallel (not supported there yet).
     piecewise_graphs: bool | None = None
     # Attention of decode / verify steps (specdec.models.attention): "triton" reads the paged KV in a kernel
-    # (GPU only), "sdpa" gathers it for SDPA; None: "sdpa" (the kernel's per-call wins have not yet shown in a
-    # served step: docs/BENCHMARKS.md).  The choice is the process's (like fused_kernels): the last engine
-    # built sets it for every engine's later steps.
+    # (GPU only), "sdpa" gathers it for SDPA; None: default_attention_backend (the kernel on a GPU with triton).
+    # The choice is the process's (like fused_kernels): the last engine built sets it for every engine's later
+    # steps.
     attention_backend: str | None = None
 
     def validate(self) -> None:
@@ -140,7 +147,7 @@ class Engine:
             if importlib.util.find_spec("triton") is None:
                 raise ConfigError("attention_backend 'triton' needs the triton package: install it (it comes with "
                                   "CUDA builds of torch) or choose 'sdpa'")
-        return self.config.attention_backend or "sdpa"
+        return self.config.attention_backend or default_attention_backend(self.device)
 
     def _static_runner(self):
         from specdec.engine.static_runner import StaticRunner
