@@ -91,19 +91,12 @@ def gc_timer():
 
 
 def guard_state(llm: LLM) -> dict[str, list[float]] | None:
-    """The controller's view per batch bucket and arm: the guard's [tokens/s, ms per step], then the measured
-    cost scales [target time / table, drafter time / table (or a lookup's ms)]."""
+    """The controller's goodput estimate per batch bucket and k ("b3-k4"): [decode-only steps measured,
+    measured step time / the calibrated tables', tokens of the drafts really proposed / of k for every request]."""
     controller = llm.engine.controller
     if controller is None or not controller.adaptive:
         return None
-    guard, costs = controller.guard, controller.costs
-    state = {}
-    for (b, spec), rate in sorted(guard.rate.items()):
-        extra = costs.draft_scale.get(b) if costs.draft_scale else 1e3 * costs.propose_s.get(b, 0.0)
-        state[f"b{b}-{'spec' if spec else 'plain'}"] = [
-            round(rate), round(1e3 * guard.step_s[(b, spec)], 3), round(costs.verify_scale.get((b, spec), 0.0), 2),
-            round(extra or 0.0, 2) if spec else None]
-    return state
+    return controller.state()
 
 
 def summarize_steps(trace) -> dict[str, dict]:

@@ -11,10 +11,8 @@ import torch
 
 from specdec import LLM, ConfigError, SamplingParams
 from specdec.speculate import SpecConfig
-from specdec.speculate.acceptance import expected_tokens, expected_tokens_sum
 from specdec.speculate.controller import KController
-from specdec.speculate.guard import GoodputGuard
-from specdec.speculate.step_costs import MeasuredCosts, StepCostTable
+from specdec.speculate.step_costs import CalibratedCosts, StepCostTable
 from specdec.speculate.ngram import ngram_draft
 from tests.checkpoints import save_tiny
 from tests.stats import chi_square_p
@@ -131,176 +129,11 @@ def test_cost_model_can_switch_speculation_off(qwen3_dir, drafter_dir, plain):
     llm.engine.speculation.controller = KController(4, compute_bound, lambda b: 0.1, adaptive=True)
     llm.engine.trace = []
     assert [o.token_ids for o in llm.generate(mixed_prompts(), GREEDY)] == plain
-    decode_steps = [r for r in llm.engine.trace if r.emitted]
-    speculated = sum(r.k > 0 for r in decode_steps)
-    # the model's verdict is plain decoding; the guard's probes alone speculate, two steps in PROBE_EVERY
-    assert speculated <= len(decode_steps) * GoodputGuard.PROBE_STEPS / GoodputGuard.PROBE_EVERY + 1
-
-
-def test_controller_picks_k_by_expected_goodput():
-    flat = StepCostTable({1: 1.0, 4096: 1.0})
-    busy = StepCostTable({1: 1.0, 2: 2.0})
-    ctl = KController(8, flat, lambda b: 0.0)
-    assert ctl.choose(["a"], 0) == 8  # free verification: draft as much as allowed
-    ctl = KController(8, busy, lambda b: 0.0)
-    assert ctl.choose(["a"] * 64, 0) == 0  # compute-bound: speculation would only slow it down
-    ctl = KController(8, flat, lambda b: 0.5)
-    for _ in range(50):
-        ctl.acceptance.update("a", 4, 0)  # a request whose drafts are always rejected
-    assert ctl.choose(["a"], 0) == 0
-    assert expected_tokens(0.5, 3) == pytest.approx(1.875)
-
-
-def test_closed_form_expected_tokens_matches_the_series():
-    alphas = np.array([0.0, 0.3, 0.5, 0.999999, 1.0, 1.0 - 1e-12])
-    ks = np.array([0, 1, 2, 4, 8])
-    want = [sum(expected_tokens(float(a), int(k)) for a in alphas) for k in ks]
-    assert expected_tokens_sum(alphas, ks) == pytest.approx(want, rel=1e-6)
-
-
-def test_an_untried_drafter_is_tried_and_the_evidence_then_decides():
-    """Before any evidence the acceptance prior is optimistic, so a drafter whose worth depends on its
-    acceptance gets tried; once the engine has measured it, new requests start from the engine's rate."""
-    flat = StepCostTable({1: 1.0, 4096: 1.0})
-    ctl = KController(4, flat, lambda b: 0.4)  # pays only if acceptance is high (k=1 needs a > 0.4)
-    assert ctl.choose(["a"], 0) > 0  # untried: try it
-    for _ in range(40):
-        ctl.acceptance.update("a", 4, 0)  # every first draft rejected
-    assert ctl.choose(["a"], 0) == 0
-    assert ctl.choose(["new"], 0) == 0  # a new request inherits the engine's measured rate
-    ctl = KController(4, flat, lambda b: 0.4)
-    for _ in range(20):
-        ctl.acceptance.update("a", 4, 4)
-    assert ctl.choose(["new"], 0) == 4  # ... which here says: draft all the way
-
-
-def test_first_speculating_step_after_plain_ones_is_not_the_measured_rate():
-    """It also pays the drafter's catch-up on the tokens it skipped: the guard does not count it."""
-    ctl = KController(4, StepCostTable({1: 1.0, 4096: 1.0}), lambda b: 0.0)
-    ctl.observe_step(1, 0, 1, 1.0)
-    k = ctl.choose(["a"], 0)
-    ctl.observe_step(1, k, 3, 30.0)  # switch-on: catch-up included
-    assert (0, True) not in ctl.guard.rate
-    ctl.observe_step(1, k, 3, 1.2)
-    # the guard measures the time; the tokens are what the acceptance estimates expect (prior 0.8 here)
-    assert ctl.guard.rate[(0, True)] == pytest.approx(expected_tokens(0.8, k) / 1.2)
-
-
-def test_guard_counts_the_drafts_really_proposed():
-    """An n-gram lookup finds drafts for few requests; the guard must expect tokens from those drafts only, or
-    useless verify steps would look like a win (they did: ngram kept drafting under a full KV cache)."""
-    ctl = KController(4, StepCostTable({1: 1.0, 4096: 1.0}), lambda b: 0.0)
-    ids = ["a", "b", "c"]
-    k = ctl.choose(ids, 0)
-    assert k == 4 and ctl.last_expected == pytest.approx(3 * expected_tokens(0.8, 4))
-    ctl.drafted(ids, [0, 0, 2])
-    assert ctl.last_expected == pytest.approx(2 + expected_tokens(0.8, 2))
-
-
-def test_served_step_times_correct_the_calibrated_costs():
-    """The table says a draft step costs 0.05 s; served ones take 0.3 s (sampling, host work).  The measured
-    drafter time teaches the cost model so, and k falls from 8 to where speculation still pays."""
-    ctl = KController(8, StepCostTable({1: 1.0, 4096: 1.0}), lambda b: 0.05)
-    ctl.observe_step(1, 0, 1, 1.0)  # a plain step: the target's scale is 1
-    first = ctl.choose(["a"], 0)
-    assert first == 8
-    ks = []
-    for _ in range(40):
-        k = ctl.choose(["a"], 0)
-        ks.append(k)
-        ctl.acceptance.update("a", k, int(0.8 * k)) if k else None
-        ctl.observe_step(1, k, 1 + int(0.8 * k), 1.0 + 0.3 * k, fed=k + 1, propose_seconds=0.3 * k)
-    assert ctl.costs.draft_scale[0] == pytest.approx(6.0, rel=0.05)
-    assert 0 < ks[-1] < 8
-
-
-def test_verify_steps_are_priced_from_their_own_measured_shapes():
-    """A verify step of B sequences of k + 1 tokens is one captured graph: priced by its own table, not as
-    B (k + 1) tokens of the tokens-fed table (eager past the graph batch); a step that also prefills is."""
-    eager_past_16 = StepCostTable({1: 1.0, 16: 1.0, 32: 5.0, 256: 8.0})
-    verify = {0: StepCostTable({1: 1.0, 16: 1.0}), 4: StepCostTable({1: 1.2, 16: 1.5})}
-    costs = MeasuredCosts(eager_past_16, None, verify)
-    assert costs.predict(16, [0, 4], 0) == pytest.approx([1.0, 1.5])
-    assert costs.predict(16, [2], 0) == pytest.approx([eager_past_16(48)])  # no table for k = 2
-    assert costs.predict(16, [4], 100) == pytest.approx([eager_past_16(180)])  # with a prefill: tokens fed
-    costs.observe(16, 4, 80, 3.0, 0.0)  # a verify step at 2x its table: the scale says so
-    assert costs.verify_scale[(GoodputGuard.bucket(16), True)] == pytest.approx((1.0 + 2.0) / 2)
-
-
-def test_one_outlier_reading_moves_a_cost_scale_half_way():
-    costs = KController(4, StepCostTable({1: 1.0, 4096: 1.0}), None).costs
-    costs.observe(1, 0, 1, 5.0, 0.0)  # the first plain step at a new shape: 5x the table
-    assert costs.verify_scale[(0, False)] == pytest.approx(3.0)  # the prior 1 counts as one reading
-    for _ in range(20):
-        costs.observe(1, 0, 1, 1.0, 0.0)
-    assert costs.verify_scale[(0, False)] == pytest.approx(1.0, abs=0.02)
-
-
-def test_steps_that_also_prefill_teach_neither_the_costs_nor_the_guard():
-    """Their time is the prefill's whichever arm ran: counted, they made speculation look 10x slower."""
-    ctl = KController(4, StepCostTable({1: 1.0, 4096: 1.0}), lambda b: 0.0)
-    ctl.observe_step(1, 0, 1, 1.0)
-    assert ctl.choose(["a"], other_tokens=500) == 0  # (speculation is off: it stays off here)
-    ctl.observe_step(1, 0, 1, 30.0, fed=501)  # with a prefill: not learned
-    assert ctl.costs.verify_scale[(0, False)] == pytest.approx(1.0) and ctl.guard.readings[(0, False)] == 1
-    k = ctl.choose(["a"], 0)
-    ctl.observe_step(1, k, 3, 30.0)  # switches speculation on: its catch-up is kept apart
-    assert (0, True) not in ctl.costs.verify_scale and (0, True) not in ctl.guard.rate
-    k = ctl.choose(["a"], 0)
-    ctl.observe_step(1, k, 3, 1.2, fed=k + 1)  # a decode-only step: this one counts
-    assert ctl.costs.verify_scale[(0, True)] == pytest.approx(1.1) and (0, True) in ctl.guard.rate
-
-
-def test_a_step_that_also_prefills_speculates_only_where_speculation_is_on_and_wins():
-    """After plain steps, switching on pays the drafter's catch-up on every skipped token; on top of a
-    prefill that made 36 ms steps against 18 ms plain ones at 64 requests on the H200.  A probe of a losing
-    drafter that runs into such a step paid the same."""
-    def run(spec_seconds: float, steps: int) -> tuple[KController, list[int]]:
-        ctl = KController(4, StepCostTable({1: 1.0, 4096: 1.0}), lambda b: 0.0)  # the model: always draft
-        ks = []
-        for _ in range(steps):
-            k = ctl.choose(["a", "b"], 0)
-            ks.append(k)
-            ctl.observe_step(2, k, 6 if k else 2, spec_seconds if k else 1.0)
-        return ctl, ks
-
-    ctl, ks = run(1.0, 1)
-    assert ks == [4] and ctl.choose(["a", "b"], other_tokens=100) == 0  # on, but no verdict yet
-    ctl, ks = run(1.0, 20)  # speculation wins 3x: the verdict is speculation
-    assert ks[-1] > 0 and ctl.choose(["a", "b"], other_tokens=100) > 0
-    ctl, ks = run(10.0, 60)  # it loses 3x: plain, but for probes
-    assert ks[-1] == 0 and ctl.choose(["a", "b"], other_tokens=100) == 0
-    while ctl.choose(["a", "b"], 0) == 0:  # the next probe ...
-        ctl.observe_step(2, 0, 2, 1.0)
-    ctl.observe_step(2, 4, 6, 10.0)
-    assert ctl.choose(["a", "b"], other_tokens=100) == 0  # ... does not carry into a step that prefills
-
-
-def test_plain_decisions_are_reused_until_evidence_or_the_batch_changes():
-    ctl = KController(4, StepCostTable({1: 1.0, 2: 2.0}), lambda b: 0.0)  # compute-bound: plain
-    decided = []
-    decide = ctl._decide
-    ctl._decide = lambda ids, other: decided.append(len(ids)) or decide(ids, other)
-    for _ in range(KController.REDECIDE_EVERY):
-        assert ctl.choose(["a", "b"], 0) == 0
-    assert decided == [2]  # once for REDECIDE_EVERY steps
-    ctl.choose(["a", "b", "c"], 0)
-    ctl.acceptance.update("a", 4, 2)
-    ctl.choose(["a", "b", "c"], 0)
-    ctl.choose(["a", "b", "c"], 100)  # a step that also prefills: decided afresh, the cache kept
-    ctl.choose(["a", "b", "c"], 0)
-    assert decided == [2, 3, 3, 3]
-
-
-def test_the_guard_probes_speculation_where_the_cost_model_prefers_plain():
-    """Otherwise the measured costs the model learns from would never see a speculating step again."""
-    ctl = KController(4, StepCostTable({1: 1.0, 2: 2.0}), lambda b: 0.0)  # compute-bound: plain
-    ks = []
-    for _ in range(400):
-        k = ctl.choose(["a", "b"], 0)
-        ks.append(k)
-        ctl.observe_step(2, k, 2 * (1 + k // 2) if k else 2, 2.0 * (k + 1), fed=2 * (k + 1))
-    assert 0 < sum(k > 0 for k in ks) <= len(ks) * GoodputGuard.PROBE_STEPS / GoodputGuard.PROBE_EVERY
+    decode_steps = [r for r in llm.engine.trace if r.emitted and r.fed == r.sequences + r.drafts]
+    assert decode_steps and decode_steps[0].k == 0  # the tables' verdict: plain decoding
+    # only probes speculate, paid from PROBE_SHARE of the time (x 2: they are priced by estimates)
+    spec_s = sum(r.seconds for r in decode_steps if r.k)
+    assert spec_s <= 2 * KController.PROBE_SHARE * sum(r.seconds for r in decode_steps)
 
 
 def test_a_queue_that_cannot_join_does_not_count_as_prefill(qwen3_dir, plain):
@@ -321,63 +154,6 @@ def test_engine_tells_the_controller_what_was_drafted(qwen3_dir, plain):
     llm.engine.controller.drafted = lambda ids, counts: seen.append(counts) or drafted(ids, counts)
     assert [o.token_ids for o in llm.generate(mixed_prompts(), GREEDY)] == plain
     assert seen and any(0 < sum(c) < 4 * len(c) for c in seen)  # some requests found fewer drafts than k
-
-
-def simulate_guard(alpha: float, spec_seconds: float, steps: int = 3000, seed: int = 0,
-                   switch_on_seconds: float | None = None) -> tuple[int, int]:
-    """One request, k <= 4, each draft accepted with probability alpha, plain steps 1 s, speculating steps
-    spec_seconds (switch_on_seconds for one that follows a plain step: the drafter's catch-up; default the
-    same); returns (speculating steps, times speculation was switched back on)."""
-    rng = np.random.default_rng(seed)
-    ctl = KController(4, StepCostTable({1: 1.0, 4096: 1.0}), lambda b: 0.0)
-    speculated = switch_ons = previous = 0
-    for _ in range(steps):
-        k = ctl.choose(["a"], 0)
-        accepted = 0
-        while accepted < k and rng.random() < alpha:
-            accepted += 1
-        if k:
-            ctl.acceptance.update("a", k, accepted)
-        seconds = (switch_on_seconds or spec_seconds) if k and not previous else spec_seconds if k else 1.0
-        ctl.observe_step(1, k, accepted + 1, seconds)
-        speculated += k > 0
-        switch_ons += k > 0 and previous == 0
-        previous = k
-    return speculated, switch_ons
-
-
-def test_goodput_guard_holds_its_verdict_through_noise():
-    """Every switch back on costs the drafter a catch-up, so the guard must not flip on single lucky or unlucky
-    steps: where speculation is clearly better it keeps running, where it only breaks even it stays off
-    but for its probes."""
-    probes = 3000 // GoodputGuard.MAX_PROBE_EVERY + 8  # the gap doubles from PROBE_EVERY to its maximum
-    speculated, switch_ons = simulate_guard(0.7, 1.15)  # 2.77 tokens in 1.15 s against 1 in 1 s
-    assert speculated > 0.95 * 3000 and switch_ons <= probes  # back on only after probing plain decoding
-    break_even = expected_tokens(0.5, 4)  # 1.94 tokens in 1.94 s: the same goodput as plain decoding
-    speculated, switch_ons = simulate_guard(0.5, break_even)
-    assert switch_ons <= probes and speculated < 0.15 * 3000
-
-
-def test_goodput_guard_probes_a_much_slower_arm_rarely():
-    """Probes of a speculating step that costs 9x a plain one (2.9 tokens for 9 s against 1 in 1 s: 0.32x the
-    goodput) are spaced out so that they lose at most ~2 % of the time; every 16..128 steps they lost 10-17 %."""
-    for steps, floor in ((300, 0.95), (3000, 0.97)):  # before: 0.83 and 0.90
-        speculated, _ = simulate_guard(0.68, 9.0, steps=steps)
-        tokens = speculated * expected_tokens(0.68, 4) + steps - speculated
-        assert tokens / (speculated * 9.0 + steps - speculated) >= floor  # goodput against plain decoding's
-    speculated, _ = simulate_guard(0.68, 2.0)  # speculation that pays is still kept
-    assert speculated > 0.95 * 3000
-
-
-def test_goodput_guard_counts_the_catch_up_of_each_probe():
-    """Each probe switches speculation on once, and that step pays the drafter's catch-up: 30 s here against
-    4 s steady speculating steps (0.73x plain's goodput) and 1 s plain ones.  Spacing probes by the steady
-    steps alone lost 18 % to them; counting the catch-up, 4 % (mostly the first measurements)."""
-    steps = 3000
-    speculated, switch_ons = simulate_guard(0.68, 4.0, steps=steps, switch_on_seconds=30.0)
-    seconds = switch_ons * 30.0 + (speculated - switch_ons) * 4.0 + steps - speculated
-    tokens = speculated * expected_tokens(0.68, 4) + steps - speculated
-    assert tokens / seconds >= 0.95  # goodput against plain decoding's
 
 
 def test_ngram_draft_finds_the_longest_recent_suffix_and_stops_at_eos():
@@ -555,48 +331,12 @@ def test_step_costs_are_measured_on_the_path_served_steps_take(qwen3_dir, drafte
     assert [o.token_ids for o in llm.generate(mixed_prompts(), GREEDY)] == plain  # the engine still serves
 
 
-def assert_prices_steps_with(costs: MeasuredCosts, target: StepCostTable, draft: StepCostTable,
+def assert_prices_steps_with(costs: CalibratedCosts, target: StepCostTable, draft: StepCostTable,
                              verify: dict[int, StepCostTable]) -> None:
     """The controller's costs are these measured tables, each a positive, finite time at every point."""
     assert costs.target is target and costs.draft is draft and costs.verify is verify
     for table in [target, draft, *verify.values()]:
         assert all(0 < t < float("inf") for t in table.seconds), table.seconds
-
-
-def test_goodput_guard_turns_off_speculation_that_measurably_loses():
-
-    ctl = KController(4, StepCostTable({1: 1.0, 4096: 1.0}), lambda b: 0.0)  # the model says: always draft
-    chosen = []
-    for _ in range(200):
-        k = ctl.choose(["a"] * 8, 0)
-        chosen.append(k)
-        # measured reality: a speculating step emits 2 tokens per request but takes 4x as long
-        ctl.observe_step(8, k, 16 if k else 8, 4.0 if k else 1.0)
-    late = chosen[100:]
-    probe_share = GoodputGuard.PROBE_STEPS / GoodputGuard.PROBE_EVERY
-    assert sum(k == 0 for k in late) >= (1 - probe_share) * len(late) - 1  # plain decoding wins; probes stay rare
-    assert any(k > 0 for k in late)  # ... but it keeps probing
-    ctl = KController(4, StepCostTable({1: 1.0, 4096: 1.0}), lambda b: 0.0)
-    for _ in range(100):
-        k = ctl.choose(["a"], 0)
-        ctl.observe_step(1, k, 3 if k else 1, 1.2 if k else 1.0)  # speculation pays: keep it
-    assert sum(ctl.choose(["a"], 0) > 0 for _ in range(32)) >= 28
-    assert GoodputGuard.bucket(1) == 0 and GoodputGuard.bucket(8) == 3 and GoodputGuard.bucket(9) == 4
-
-
-def test_goodput_guard_probes_ever_less_while_its_verdict_holds_and_notices_a_change():
-    ctl = KController(4, StepCostTable({1: 1.0, 4096: 1.0}), lambda b: 0.0)
-    spec_steps = []
-    for step in range(3000):
-        k = ctl.choose(["a"], 0)
-        spec_steps.append(k > 0)
-        ctl.observe_step(1, k, 2 if k else 1, 4.0 if k else 1.0)  # speculation loses 2x
-    late = spec_steps[1000:]
-    assert 0 < sum(late) <= 0.02 * len(late)  # still probing, at about 2 steps in 128
-    for step in range(2 * GoodputGuard.MAX_PROBE_EVERY):  # now speculation wins 3x
-        k = ctl.choose(["a"], 0)
-        ctl.observe_step(1, k, 3 if k else 1, 1.0)
-    assert sum(ctl.choose(["a"], 0) > 0 for _ in range(32)) >= 28
 
 
 def test_per_request_speculation_metrics(qwen3_dir):

@@ -5,7 +5,8 @@ took 11 s against 3.7 s plain on 2 cores), and they change only with what the ke
 drafter's configs and dtype, the engine's shape settings, the speculator, the device and the software. So the
 first run measures them and writes them to $SPECDEC_CACHE_DIR/calibration (default ~/.cache/specdec); a later
 run with the same key reads them. SPECDEC_CALIBRATION_CACHE=off measures every time. The served steps
-still correct the tables as they run (MeasuredCosts), so a cache from a noisier day is soon outvoted.
+still correct the tables as they run (the goodput estimate, goodput.py), so a cache from a noisier day is
+soon outvoted.
 
 A file that cannot be read or parsed is measured over and rewritten: the cache can only cost a measurement.
 """

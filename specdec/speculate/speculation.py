@@ -24,7 +24,6 @@ class Speculation:
         self.max_model_len = max_model_len
         self.step_budget = step_budget  # the engine's max_num_batched_tokens
         self.decoding = 0  # decoding requests in the step being run
-        self.propose_s = 0.0  # seconds the speculator took to propose for it
 
     @property
     def feature_layers(self) -> tuple[int, ...]:
@@ -50,7 +49,6 @@ class Speculation:
             prefill += r.num_tokens
         self.decoding = len(decoding)
         k = self.controller.choose([r.request_id for r in decoding], min(prefill, self.step_budget))
-        self.propose_s = 0.0
         if not k:  # a plain step: no speculator work (a host-bound step at 64 sequences is ~1.3 ms)
             for r in decoding:
                 if r.draft_token_ids:  # drafts of a step that left this request out
@@ -58,22 +56,19 @@ class Speculation:
             return
         ks = [max(0, min(k, r.params.max_tokens - len(r.output_token_ids) - 1,
                          self.max_model_len - r.num_tokens - 1)) for r in decoding]
-        started = time.perf_counter()
-        self.speculator.propose(decoding, ks)  # drafts on the host when it returns: the time is the work's
-        self.propose_s = time.perf_counter() - started
+        self.speculator.propose(decoding, ks)
         self.controller.drafted([r.request_id for r in decoding], [len(r.draft_token_ids) for r in decoding])
 
     def after_step(self, seqs: list[ScheduledSeq], starts: list[int], runner, tokens: int, fed: int,
                    started: float) -> float:
         """The target's step is committed: the speculator observes it (starts[i] is where seqs[i]'s fed tokens
         began; the runner holds the step's features, ModelRunner.step_features), then the controller learns
-        its cost: `tokens` emitted, `fed` tokens fed, since perf_counter() read `started`.  Returns the
-        step's seconds."""
+        its seconds since perf_counter() read `started` (it counts the tokens the acceptance rates expect, not
+        the `tokens` emitted, and prices the step by its k, not by the `fed` tokens).  Returns the seconds."""
         self.speculator.observe(seqs, starts, runner)
         seconds = time.perf_counter() - started
         if self.decoding:
-            self.controller.observe_step(self.decoding, self.controller.last_k, tokens, seconds, fed,
-                                         self.propose_s)
+            self.controller.observe_step(self.decoding, self.controller.last_k, seconds)
         return seconds
 
     def verified(self, req: Request, num_drafts: int, accepted: int) -> None:
