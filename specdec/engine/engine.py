@@ -254,7 +254,7 @@ class Engine:
         self.stats["steps"] += 1
         self.stats["tokens_fed"] += fed
         if self.speculation is not None:
-            seconds = self.speculation.after_step(seqs, starts, self.runner, tokens, fed, started)
+            seconds = self.speculation.after_step(seqs, starts, self.runner, started)
         else:
             seconds = time.perf_counter() - started  # the tokens are on the host: the step's work is done
         eager = self.runner.eager_forwards > eager_before

@@ -59,12 +59,11 @@ class Speculation:
         self.speculator.propose(decoding, ks)
         self.controller.drafted([r.request_id for r in decoding], [len(r.draft_token_ids) for r in decoding])
 
-    def after_step(self, seqs: list[ScheduledSeq], starts: list[int], runner, tokens: int, fed: int,
-                   started: float) -> float:
+    def after_step(self, seqs: list[ScheduledSeq], starts: list[int], runner, started: float) -> float:
         """The target's step is committed: the speculator observes it (starts[i] is where seqs[i]'s fed tokens
         began; the runner holds the step's features, ModelRunner.step_features), then the controller learns
         its seconds since perf_counter() read `started` (it counts the tokens the acceptance rates expect, not
-        the `tokens` emitted, and prices the step by its k, not by the `fed` tokens).  Returns the seconds."""
+        those emitted, and prices the step by its k).  Returns the seconds."""
         self.speculator.observe(seqs, starts, runner)
         seconds = time.perf_counter() - started
         if self.decoding:
