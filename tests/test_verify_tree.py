@@ -1,0 +1,134 @@
+"""Tests for specdec.verify_tree: a draft tree's walk emits the target's distribution token by token (with a
+negative control that fails the same check), equals the chain verifier on chains, and is exact for greedy
+rows and seeded rows."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import specdec.verify_tree as verify_tree
+from specdec.verify import accept
+from specdec.verify_tree import Verdict, accept_tree, children_of
+from tests.stats import chi_square_p
+
+PVALUE_MIN = 1e-4
+
+# root -> {a, b}, a -> {c}, b -> {d}, c -> {e}; laid out [a, b, c, d, e]
+TREE_PARENTS = [-1, -1, 0, 1, 2]
+
+
+def _dirichlet(rows: int, vocab: int, gen: torch.Generator) -> torch.Tensor:
+    e = -torch.log1p(-torch.rand(rows, vocab, generator=gen, dtype=torch.float64))
+    return (e / e.sum(-1, keepdim=True)).float()
+
+
+def _run(tree_tokens: list[int], p: torch.Tensor, trials: int) -> list[Verdict]:
+    """`trials` copies of one tree against the same target rows p [N + 1, V], global RNG."""
+    torch.manual_seed(7)
+    return accept_tree([tree_tokens] * trials, [TREE_PARENTS] * trials, p.repeat(trials, 1))
+
+
+def _assert_follows_target(verdicts: list[Verdict], tree_tokens: list[int], p: torch.Tensor) -> None:
+    """Token 1 follows p's root row; token j + 1, where token j was node i's token reached through the tree,
+    follows row i + 1.  Each check needs enough samples to have power."""
+    vocab = p.shape[1]
+    by_row: dict[int, list[int]] = {}
+    for v in verdicts:
+        for token, row in zip(v.tokens, v.rows):
+            by_row.setdefault(row, []).append(token)
+    for row in (0, 1, 2, 3):  # root, a, b, c: each reached often enough at these p
+        counts = np.bincount(by_row[row], minlength=vocab)
+        assert counts.sum() > 2000, (row, counts.sum())
+        pvalue = chi_square_p(counts, p[row].double().numpy())
+        assert pvalue > PVALUE_MIN, f"tokens after row {row} do not follow the target (p-value {pvalue:.2g})"
+
+
+def _peaked_target(gen: torch.Generator, tree_tokens: list[int]) -> torch.Tensor:
+    """Rows where the drafted tokens are likely (so deep rows are reached) but far from certain."""
+    p = _dirichlet(len(tree_tokens) + 1, 6, gen)
+    for node, parent in enumerate(TREE_PARENTS):
+        p[parent + 1, tree_tokens[node]] += 1.0
+    return p / p.sum(-1, keepdim=True)
+
+
+def test_tree_output_follows_the_target_token_by_token():
+    gen = torch.Generator().manual_seed(3)
+    tokens = [1, 2, 3, 4, 5]
+    p = _peaked_target(gen, tokens)
+    _assert_follows_target(_run(tokens, p, 40_000), tokens, p)
+
+
+def test_accept_first_child_control_fails_the_same_check(monkeypatch):
+    """A walk that accepts every first child emits the drafts, not the target: the check above catches it."""
+    gen = torch.Generator().manual_seed(3)
+    tokens = [1, 2, 3, 4, 5]
+    p = _peaked_target(gen, tokens)
+
+    def accept_first_child(draft_ids, children, p_nodes, u):
+        verdict, row = Verdict(tokens=[], rows=[0]), 0
+        while children[row]:
+            node = children[row][0]
+            verdict.tokens.append(draft_ids[node])
+            row = node + 1
+            verdict.rows.append(row)
+        return verdict, row, []
+
+    monkeypatch.setattr(verify_tree, "_walk", accept_first_child)
+    with pytest.raises(AssertionError, match="do not follow the target"):
+        _assert_follows_target(_run(tokens, p, 40_000), tokens, p)
+
+
+def test_duplicate_siblings_are_tested_once():
+    """A sibling repeating a rejected token can never be accepted (its mass is gone from the residual)."""
+    p = torch.tensor([[0.5, 0.5, 0.0], [1 / 3, 1 / 3, 1 / 3], [1 / 3, 1 / 3, 1 / 3]])
+    torch.manual_seed(0)
+    verdicts = accept_tree([[0, 0]] * 4000, [[-1, -1]] * 4000, p.repeat(4000, 1))
+    assert all(v.rows[:2] != [0, 2] for v in verdicts)  # node 1 (the duplicate) is never the accepted one
+    firsts = np.bincount([v.tokens[0] for v in verdicts], minlength=3)
+    assert chi_square_p(firsts, np.array([0.5, 0.5, 0.0])) > PVALUE_MIN
+
+
+def test_chain_equals_the_chain_verifier_with_seeded_rows():
+    """On a chain, with the same generators, the tree walk and verify.accept (deterministic drafts) draw the
+    same uniforms for the same tests: their outputs are equal row for row."""
+    gen = torch.Generator().manual_seed(5)
+    batch, k, vocab = 300, 4, 7
+    p = _dirichlet(batch * (k + 1), vocab, gen).view(batch, k + 1, vocab)
+    drafts = p[:, :k].argmax(-1)  # likely tokens, so chains get long
+    drafts[::3] = torch.randint(0, vocab, (len(drafts[::3]), k), generator=gen)
+    seeds = list(range(batch))
+    chain = accept(drafts, None, p, [torch.Generator().manual_seed(s) for s in seeds])
+    tree = accept_tree(drafts.tolist(), [list(range(-1, k - 1))] * batch, p.reshape(-1, vocab),
+                       [torch.Generator().manual_seed(s) for s in seeds])
+    for row, verdict in zip(chain.tolist(), tree):
+        assert [t for t in row if t >= 0] == verdict.tokens
+        assert verdict.rows == list(range(len(verdict.tokens)))
+
+
+def test_greedy_rows_take_the_child_equal_to_the_argmax():
+    # argmax after the root is 2 (node 1, row 2), after node 1 it is 4 (node 3, row 4), after node 3 it is 0,
+    # which node 4 (token 1) misses: emitted 2, 4, then the argmax 0 from row 4
+    p = torch.nn.functional.one_hot(torch.tensor([2, 0, 4, 1, 0, 3]), 5).float()  # rows 0..5
+    verdict, = accept_tree([[1, 2, 3, 4, 1]], [[-1, -1, 0, 1, 3]], p)
+    assert verdict.tokens == [2, 4, 0] and verdict.rows == [0, 2, 4]
+    miss, = accept_tree([[1, 3]], [[-1, -1]], p[:3])
+    assert miss.tokens == [2] and miss.rows == [0]
+
+
+def test_seeded_tree_is_independent_of_its_batch():
+    gen = torch.Generator().manual_seed(9)
+    tokens = [1, 2, 3, 4, 5]
+    p = _peaked_target(gen, tokens)
+    alone = accept_tree([tokens], [TREE_PARENTS], p, [torch.Generator().manual_seed(11)])
+    batch = accept_tree([tokens, tokens[:2]], [TREE_PARENTS, [-1, 0]], torch.cat([p, p[:3]]),
+                        [torch.Generator().manual_seed(11), None])
+    assert batch[0] == alone[0]
+
+
+def test_bad_trees_are_refused():
+    with pytest.raises(ValueError, match="parent"):
+        children_of([-1, 1])
+    with pytest.raises(ValueError, match="rows"):
+        accept_tree([[1, 2]], [[-1, 0]], torch.ones(2, 4) / 4)
