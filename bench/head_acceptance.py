@@ -30,10 +30,14 @@ from specdec import LLM, SamplingParams  # noqa: E402
 from specdec.speculate import SpecConfig  # noqa: E402
 
 
-def speculators(head: str, drafter: str, k: int) -> dict[str, SpecConfig]:
-    return {"eagle3": SpecConfig("eagle3", model=head, num_draft_tokens=k, adaptive=False),
-            "draft": SpecConfig("draft", model=drafter, num_draft_tokens=k, adaptive=False),
-            "ngram": SpecConfig("ngram", num_draft_tokens=k, adaptive=False)}
+def speculators(head: str, drafter: str, k: int, tree_widths: list[int] = ()) -> dict[str, SpecConfig]:
+    configs = {"eagle3": SpecConfig("eagle3", model=head, num_draft_tokens=k, adaptive=False),
+               "draft": SpecConfig("draft", model=drafter, num_draft_tokens=k, adaptive=False),
+               "ngram": SpecConfig("ngram", num_draft_tokens=k, adaptive=False)}
+    for width in tree_widths:  # the head drafting trees of k depths, `width` candidates a depth
+        configs[f"eagle3-tree{width}"] = SpecConfig("eagle3", model=head, num_draft_tokens=k, adaptive=False,
+                                                    tree_width=width)
+    return configs
 
 
 def per_position(before: dict, after: dict, k: int) -> dict:
@@ -93,6 +97,7 @@ def main(argv=None) -> int:
     parser.add_argument("--prompts", type=int, default=64, help="held-out prompts (the bundled set)")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--temperatures", default="0,1")
+    parser.add_argument("--tree-widths", default="", help="also the head drafting trees of these widths (e.g. 2,3)")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--out", default="bench/results/head-acceptance-h200.json")
     args = parser.parse_args(argv)
@@ -105,7 +110,8 @@ def main(argv=None) -> int:
         if temperature > 0:
             record["rows"][f"target-t{temperature:g}"] = target_uncertainty(args.target, prompts, params, args.device)
             print(f"target  T={temperature:g}  {record['rows'][f'target-t{temperature:g}']}", flush=True)
-        for name, config in speculators(args.head, args.drafter, args.k).items():
+        widths = [int(w) for w in args.tree_widths.split(",") if w]
+        for name, config in speculators(args.head, args.drafter, args.k, widths).items():
             row, outputs = measure(args.target, config, prompts, params, args.device, args.k)
             if plain is not None:
                 row["greedy_equal_to_plain"] = sum(o == p for o, p in zip(outputs, plain)) / len(plain)

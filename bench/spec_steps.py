@@ -221,6 +221,11 @@ def main(argv=None) -> int:
                     for k in (3, 5, 7)})
     configs["ngram-adaptive-k8"] = SpecConfig("ngram", num_draft_tokens=8)
     configs["eagle3-adaptive-k7"] = SpecConfig("eagle3", num_draft_tokens=7, **head)
+    for width, k in ((2, 7), (3, 5), (4, 4)):  # draft trees of at most 16 nodes (the Triton kernel's 17 rows)
+        configs[f"eagle3-tree{width}-k{k}"] = SpecConfig("eagle3", num_draft_tokens=k, adaptive=False,
+                                                         tree_width=width, **head)
+        configs[f"eagle3-tree{width}-adaptive-k{k}"] = SpecConfig("eagle3", num_draft_tokens=k, tree_width=width,
+                                                                  **head)
     results = {"env": environment(device), "attention_backend": args.attention_backend or "engine default",
                "target": f"{args.target} as {args.target_twin} twin",
                "drafter": f"{args.draft} as {args.draft_twin} twin", "tokens": args.tokens, "rows": []}

@@ -33,6 +33,7 @@ from collections.abc import Sequence
 
 import torch
 
+from specdec.draft_tree import children_of
 from specdec.transfer import upload
 from specdec.verify import _RESIDUAL_EPS, _exponential_race
 
@@ -41,16 +42,6 @@ from specdec.verify import _RESIDUAL_EPS, _exponential_race
 class Verdict:
     tokens: list[int]  # accepted drafts, then the final (recovered or bonus) token
     rows: list[int]  # rows[j]: the target row (0 = root, i + 1 = node i) that predicted tokens[j]
-
-
-def children_of(parents: Sequence[int]) -> list[list[int]]:
-    """[N + 1] lists: entry 0 the root's children, entry i + 1 node i's, in layout order."""
-    out: list[list[int]] = [[] for _ in range(len(parents) + 1)]
-    for node, parent in enumerate(parents):
-        if not -1 <= parent < node:
-            raise ValueError(f"node {node}'s parent {parent} must be -1 (the root) or an earlier node")
-        out[parent + 1].append(node)
-    return out
 
 
 def accept_tree(draft_ids: Sequence[Sequence[int]], parents: Sequence[Sequence[int]], target_probs: torch.Tensor,

@@ -10,7 +10,8 @@ import torch
 
 import specdec.verify_tree as verify_tree
 from specdec.verify import accept
-from specdec.verify_tree import Verdict, accept_tree, children_of
+from specdec.draft_tree import ancestor_mask, children_of, depths, spine_and_siblings
+from specdec.verify_tree import Verdict, accept_tree
 from tests.stats import chi_square_p
 
 PVALUE_MIN = 1e-4
@@ -60,20 +61,22 @@ def test_tree_output_follows_the_target_token_by_token():
     _assert_follows_target(_run(tokens, p, 40_000), tokens, p)
 
 
+def accept_first_child(draft_ids, children, p_nodes, u):
+    """A broken walk (the negative control): every first child accepted, whatever the target says."""
+    verdict, row = Verdict(tokens=[], rows=[0]), 0
+    while children[row]:
+        node = children[row][0]
+        verdict.tokens.append(draft_ids[node])
+        row = node + 1
+        verdict.rows.append(row)
+    return verdict, row, []
+
+
 def test_accept_first_child_control_fails_the_same_check(monkeypatch):
     """A walk that accepts every first child emits the drafts, not the target: the check above catches it."""
     gen = torch.Generator().manual_seed(3)
     tokens = [1, 2, 3, 4, 5]
     p = _peaked_target(gen, tokens)
-
-    def accept_first_child(draft_ids, children, p_nodes, u):
-        verdict, row = Verdict(tokens=[], rows=[0]), 0
-        while children[row]:
-            node = children[row][0]
-            verdict.tokens.append(draft_ids[node])
-            row = node + 1
-            verdict.rows.append(row)
-        return verdict, row, []
 
     monkeypatch.setattr(verify_tree, "_walk", accept_first_child)
     with pytest.raises(AssertionError, match="do not follow the target"):
@@ -132,3 +135,13 @@ def test_bad_trees_are_refused():
         children_of([-1, 1])
     with pytest.raises(ValueError, match="rows"):
         accept_tree([[1, 2]], [[-1, 0]], torch.ones(2, 4) / 4)
+
+
+def test_tree_geometry_of_the_spine_and_siblings_shape():
+    parents = spine_and_siblings(2, 2)
+    assert parents == [-1, 0, -1, 0]
+    assert depths(parents) == [1, 2, 1, 2]
+    assert children_of(parents) == [[0, 2], [1, 3], [], [], []]
+    assert ancestor_mask(parents) == [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 0, 0], [1, 0, 0, 1, 0],
+                                      [1, 1, 0, 0, 1]]
+    assert spine_and_siblings(3, 1) == [-1, 0, 1]  # width 1: a chain

@@ -8,17 +8,19 @@ import time
 
 import torch
 
+from specdec.draft_tree import depths
 from specdec.engine.admission import AdmissionBatcher
 from specdec.engine.kv_cache import BlockManager, KVCache, num_blocks_for
 from specdec.engine.request import Request, TokenLogprobs
 from specdec.engine.runner import ModelRunner
-from specdec.engine.sampler import sample_tokens
+from specdec.engine.sampler import is_tree, sample_tokens
 from specdec.engine.scheduler import ScheduledSeq, Scheduler
 from specdec.errors import ConfigError, InvalidRequestError
 from specdec.models.attention import BACKENDS as ATTENTION_BACKENDS, kernel_device, set_attention_backend
 from specdec.models.transformer import CausalLM
 from specdec.sampling import SamplingParams, top_logprobs
 from specdec.transfer import upload
+from specdec.verify_tree import Verdict
 
 
 def default_attention_backend(device: torch.device) -> str:
@@ -246,11 +248,13 @@ class Engine:
             return finished
         starts = [s.request.num_computed for s in seqs]
         logits = self.runner.forward(seqs)  # per seq [1 + drafts, V] or empty
-        emitted = sample_tokens(seqs, logits)
-        for seq, rows, tokens in zip(seqs, logits, emitted):
-            if self._commit(seq, rows, tokens):
+        verdicts = sample_tokens(seqs, logits)
+        for i, (seq, rows, verdict) in enumerate(zip(seqs, logits, verdicts)):
+            if is_tree(seq):  # the accepted path's keys and features go where a chain's would be
+                self.runner.keep_path(i, seq, starts[i], verdict.rows)
+            if self._commit(seq, rows, verdict):
                 finished.append(seq.request)
-        fed, tokens = sum(s.num_new for s in seqs), sum(len(t) for t in emitted)
+        fed, tokens = sum(s.num_new for s in seqs), sum(len(v.tokens) for v in verdicts)
         self.stats["steps"] += 1
         self.stats["tokens_fed"] += fed
         if self.speculation is not None:
@@ -273,6 +277,8 @@ class Engine:
 
         self.speculation = Speculation(speculator, controller, self.max_model_len,
                                        self.config.max_num_batched_tokens)
+        if speculator.tree_nodes(2) > 2 and self.runner.static is not None:  # it drafts trees
+            self.runner.static.enable_tree_masks()
         if speculator.feature_layers:
             static = self.runner.static
             rows = max(self.config.max_num_batched_tokens, static.max_batch * static.max_q if static else 0)
@@ -298,7 +304,8 @@ class Engine:
         if static is None or not static.capture:
             return count
         ks = self.controller.candidates() if self.controller is not None else [0]
-        count += static.precapture([k + 1 for k in ks])
+        nodes = self.speculator.tree_nodes if self.speculator is not None else (lambda k: k)
+        count += static.precapture([1 + nodes(k) for k in ks])
         speculator_graphs = getattr(self.speculator, "precapture_graphs", None)
         if speculator_graphs is not None:  # a drafter's or a head's own fixed-shape forwards
             count += speculator_graphs(ks)
@@ -308,13 +315,15 @@ class Engine:
         if self.speculation is not None:
             self.speculation.release(req)
 
-    def _commit(self, seq: ScheduledSeq, rows: torch.Tensor, tokens: list[int]) -> bool:
-        """Record what the step computed and produced; returns True when the request finished."""
+    def _commit(self, seq: ScheduledSeq, rows: torch.Tensor, verdict: Verdict) -> bool:
+        """Record what the step computed and produced (rows: its logits; verdict: the tokens emitted and the
+        rows that predicted them); returns True when the request finished."""
         req = seq.request
         req.num_computed += seq.num_new - seq.num_drafts
         if not seq.samples:
             self._register_full_blocks(req)
             return False
+        tokens = verdict.tokens
         accepted = len(tokens) - 1
         req.num_computed += accepted  # keys/values of accepted drafts are valid; rejected ones are dropped
         req.num_steps += 1
@@ -324,11 +333,12 @@ class Engine:
             req.accepted_per_position += [0] * (accepted - len(req.accepted_per_position))
         for j in range(accepted):
             req.accepted_per_position[j] += 1
+        tested = max(depths(req.draft_parents[:seq.num_drafts])) if is_tree(seq) else seq.num_drafts
         self._count_speculation(seq.num_drafts, accepted)
         if self.speculation is not None:
-            self.speculation.verified(req, seq.num_drafts, accepted)
+            self.speculation.verified(req, tested, accepted)
         if req.params.logprobs is not None:
-            self._record_logprobs(req, rows[:len(tokens)], tokens)
+            self._record_logprobs(req, rows[upload(verdict.rows, rows.device)], tokens)
         for token in tokens:
             req.output_token_ids.append(token)
             self.stats["tokens_emitted"] += 1
@@ -337,7 +347,7 @@ class Engine:
                 del req.logprobs[len(req.output_token_ids):]
                 req.finish(reason)
                 break
-        req.draft_token_ids, req.draft_probs = [], None
+        req.clear_drafts()
         self._trim_blocks(req)
         self._register_full_blocks(req)
         if req.finished:

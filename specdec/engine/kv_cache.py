@@ -190,8 +190,13 @@ class KVCache:
         self.block_size = block_size
         self.scratch_block = num_blocks
         shape = ((num_blocks + 1) * block_size, config.num_key_value_heads, config.head_dim)
-        self.layers = [(torch.zeros(shape, device=device, dtype=dtype), torch.zeros(shape, device=device, dtype=dtype))
-                       for _ in range(config.num_hidden_layers)]
+        # one tensor [layers, 2 (key, value), slots, heads, dim]: a slot moves in every layer at once (move_slots)
+        self.data = torch.zeros(config.num_hidden_layers, 2, *shape, device=device, dtype=dtype)
+        self.layers = [(layer[0], layer[1]) for layer in self.data]
+
+    def move_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy the keys and values at slots src [n] to slots dst [n] in every layer (all read before any write)."""
+        self.data[:, :, dst] = self.data[:, :, src]
 
     @staticmethod
     def bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:

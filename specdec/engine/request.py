@@ -49,6 +49,9 @@ class Request:
         self.block_hashes: list[int] = []  # hash chain of the full, committed blocks registered so far
         self.draft_token_ids: list[int] = []  # proposed for the next step
         self.draft_probs: torch.Tensor | None = None  # [k, V] drafter distributions, None = deterministic
+        # A draft tree instead of a chain: node i's parent (-1: the newest token), parents before children
+        # (specdec/verify_tree.py); None: the drafts are a chain.  Tree drafts are deterministic candidates.
+        self.draft_parents: list[int] | None = None
         self.logprobs: list[TokenLogprobs] = []
         self.finish_reason: str | None = None
         self.error: str | None = None
@@ -83,6 +86,9 @@ class Request:
     @property
     def finished(self) -> bool:
         return self.status is Status.FINISHED
+
+    def clear_drafts(self) -> None:
+        self.draft_token_ids, self.draft_probs, self.draft_parents = [], None, None
 
     def finish(self, reason: str) -> None:
         self.status = Status.FINISHED

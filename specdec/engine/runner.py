@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from specdec.draft_tree import ancestor_mask, depths
 from specdec.engine.kv_cache import KVCache, slot_of
 from specdec.engine.scheduler import ScheduledSeq
 from specdec.models.attention import AttentionBatch
@@ -54,7 +55,7 @@ class ModelRunner:
             tokens = req.token_ids_between(start, start + seq.num_new - seq.num_drafts)
             tokens += req.draft_token_ids[:seq.num_drafts]
             ids.extend(tokens)
-            positions.extend(range(start, start + seq.num_new))
+            positions.extend(start + offset for offset in fed_offsets(seq))
             slots.extend(self._slot(req.block_ids, p) for p in range(start, start + seq.num_new))
             starts.append(starts[-1] + seq.num_new)
             ctx.append(start + seq.num_new)
@@ -62,7 +63,10 @@ class ModelRunner:
             logits_rows.extend(range(starts[-1] - n_logits, starts[-1]))
             counts.append(n_logits)
         self.feature_rows = starts[:-1]
-        batch = self._batch(seqs, starts, ctx, slots)
+        tree = None
+        if any(tree_parents(s) is not None for s in seqs):
+            tree = self._long(tree_mask_rows(seqs, max(s.num_new for s in seqs))).bool()  # [T, max_q]
+        batch = self._batch(seqs, starts, ctx, slots, tree)
         ids = self._long(ids) if fed_ids is None else fed_ids.to(device=self.device, dtype=torch.long)
         piecewise = self.piecewise is not None and self.piecewise.fits(len(positions))
         model = self.piecewise.forward if piecewise else self.model
@@ -81,21 +85,45 @@ class ModelRunner:
         batch = self._batch([seq], [0, seq.num_new], [start + seq.num_new], slots)
         return self.model(ids, positions, batch, self.kv_cache.layers)
 
+    @torch.inference_mode()
+    def keep_path(self, seq_index: int, seq: ScheduledSeq, start: int, rows: list[int]) -> None:
+        """After a tree verify fed at positions from `start`: move the accepted nodes' keys/values (every layer)
+        and captured features to the fed rows a chain of the same drafts would have used, so that what follows
+        (commit, rollback of the rest, a head's observe) reads the accepted path as a chain.
+
+        rows: the verdict's rows (specdec/verify_tree.py): rows[j + 1] - 1 is the node accepted as draft j.
+        Example: the root fed at index 0 and nodes 0..5 at 1..6, path nodes 0 then 4 (rows [0, 1, 5]): draft 1
+        moves from fed index 5 to 2; draft 0 is already at 1."""
+        committed = seq.num_new - seq.num_drafts  # the root is fed index committed - 1
+        moves = [(committed + row - 1, committed + j) for j, row in enumerate(rows[1:]) if row - 1 != j]
+        if not moves:
+            return
+        blocks = seq.request.block_ids
+        src = self._long([self._slot(blocks, start + f) for f, _ in moves])
+        dst = self._long([self._slot(blocks, start + f) for _, f in moves])
+        self.kv_cache.move_slots(src, dst)
+        if self.model.features is not None:
+            base = self.feature_rows[seq_index]
+            features = self.model.features
+            features[self._long([base + f for _, f in moves])] = features[self._long([base + f for f, _ in moves])]
+
     def _slot(self, block_ids: list[int], position: int) -> int:
         return slot_of(block_ids, position, self.block_size)
 
     def _long(self, values) -> torch.Tensor:
         return upload(values, self.device)
 
-    def _batch(self, seqs: list[ScheduledSeq], starts, ctx, slots) -> AttentionBatch:
+    def _batch(self, seqs: list[ScheduledSeq], starts, ctx, slots, tree_mask=None) -> AttentionBatch:
         return flat_attention_batch([s.request.block_ids for s in seqs], starts, ctx, slots, self.block_size,
-                                    self.device)
+                                    self.device, tree_mask)
 
 
 def flat_attention_batch(block_ids: list[list[int]], starts: list[int], ctx: list[int], slots: list[int],
-                         block_size: int, device: torch.device) -> AttentionBatch:
+                         block_size: int, device: torch.device, tree_mask: torch.Tensor | None = None
+                         ) -> AttentionBatch:
     """The AttentionBatch of a flat step: sequence i's queries are rows starts[i]..starts[i + 1] (starts has one
-    entry more than sequences), its context ctx[i] tokens, its keys in blocks block_ids[i]."""
+    entry more than sequences), its context ctx[i] tokens, its keys in blocks block_ids[i]; tree_mask: per flat
+    row (models/attention.py), for steps that verify draft trees."""
     def long(values):
         return upload(values, device)
 
@@ -110,4 +138,36 @@ def flat_attention_batch(block_ids: list[list[int]], starts: list[int], ctx: lis
         max_query_len=max(counts),
         max_context_len=max(ctx),  # each query-length group pads its own keys (split_by_query_length)
         host_lens=(counts, list(ctx)),
+        tree_mask=tree_mask,
     ).prepare(block_size)
+
+
+def tree_parents(seq: ScheduledSeq) -> list[int] | None:
+    """The parents of a sequence's draft tree this step (specdec/draft_tree.py), or None for a chain."""
+    parents = seq.request.draft_parents
+    return parents[:seq.num_drafts] if parents is not None and seq.num_drafts else None
+
+
+def fed_offsets(seq: ScheduledSeq) -> list[int]:
+    """Each fed token's position after the first fed one: 0, 1, 2, ... for a chain; a tree's nodes sit at the
+    root's position plus their depth."""
+    parents = tree_parents(seq)
+    committed = seq.num_new - seq.num_drafts
+    if parents is None:
+        return list(range(seq.num_new))
+    return list(range(committed)) + [committed - 1 + d for d in depths(parents)]
+
+
+def tree_mask_rows(seqs: list[ScheduledSeq], width: int) -> list[list[int]]:
+    """[T][width] the per-row tree mask of a flat step (models/attention.py): row r of a sequence sees its fed
+    rows j <= r (a chain, or the committed tokens before a tree's root) or, for a tree node, the root, its
+    ancestors and itself."""
+    out = []
+    for seq in seqs:
+        committed, parents = seq.num_new - seq.num_drafts, tree_parents(seq)
+        rows = [[int(j <= r) for j in range(width)] for r in range(committed if parents else seq.num_new)]
+        if parents is not None:
+            for mask in ancestor_mask(parents)[1:]:  # node rows: committed context, then the tree's columns
+                rows.append([1] * (committed - 1) + [int(m) for m in mask] + [0] * (width - committed - len(mask) + 1))
+        out.extend(rows)
+    return out

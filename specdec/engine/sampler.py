@@ -3,6 +3,8 @@
 A sequence with k drafts has k+1 logits rows; it emits its accepted drafts plus one token drawn from
 the target (recovered after a rejection, or the bonus after full acceptance).  With no drafts this is
 plain sampling.  Greedy rows take the longest prefix of drafts equal to the argmax, then the argmax.
+A sequence whose drafts form a tree (request.draft_parents) is walked by specdec/verify_tree.py instead: its
+rows are the root's and each node's, and its verdict says which rows the emitted tokens came from.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from specdec.engine.scheduler import ScheduledSeq
 from specdec.sampling import processed_probs_rows
 from specdec.transfer import upload
 from specdec.verify import accept
+from specdec.verify_tree import Verdict, accept_tree
 
 
 def greedy_accept(drafts: list[int], best: list[int]) -> list[int]:
@@ -25,11 +28,34 @@ def greedy_accept(drafts: list[int], best: list[int]) -> list[int]:
     return drafts[:n] + [best[n]]
 
 
-def sample_tokens(seqs: list[ScheduledSeq], logits: list[torch.Tensor]) -> list[list[int]]:
-    """For each sequence that samples, the tokens it emits this step (accepted drafts + one)."""
+def sample_tokens(seqs: list[ScheduledSeq], logits: list[torch.Tensor]) -> list[Verdict]:
+    """For each sequence, the tokens it emits this step (accepted drafts + one; none for a sequence that does
+    not sample) and the logits row that predicted each."""
+    trees = [i for i, s in enumerate(seqs) if s.samples and is_tree(s)]
+    verdicts = dict(zip(trees, _verify_trees([seqs[i] for i in trees], [logits[i] for i in trees])))
+    chains = _sample_chains([s if i not in verdicts else None for i, s in enumerate(seqs)], logits)
+    return [verdicts.get(i) or Verdict(tokens, list(range(len(tokens)))) for i, tokens in enumerate(chains)]
+
+
+def is_tree(seq: ScheduledSeq) -> bool:
+    return seq.num_drafts > 0 and seq.request.draft_parents is not None
+
+
+def _verify_trees(seqs: list[ScheduledSeq], logits: list[torch.Tensor]) -> list[Verdict]:
+    if not seqs:
+        return []
+    probs = processed_probs_rows(torch.cat(logits), [s.request.params for s, rows in zip(seqs, logits)
+                                                     for _ in range(rows.shape[0])])  # [sum(N_b + 1), V]
+    return accept_tree([s.request.draft_token_ids[:s.num_drafts] for s in seqs],
+                       [s.request.draft_parents[:s.num_drafts] for s in seqs], probs,
+                       [s.request.generator for s in seqs])
+
+
+def _sample_chains(seqs: list[ScheduledSeq | None], logits: list[torch.Tensor]) -> list[list[int]]:
+    """Tokens of the sequences whose drafts are a chain (None entries: left out, no tokens)."""
     out: list[list[int]] = [[] for _ in seqs]
-    greedy = [i for i, s in enumerate(seqs) if s.samples and s.request.params.greedy]
-    stochastic = [i for i, s in enumerate(seqs) if s.samples and not s.request.params.greedy]
+    greedy = [i for i, s in enumerate(seqs) if s is not None and s.samples and s.request.params.greedy]
+    stochastic = [i for i, s in enumerate(seqs) if s is not None and s.samples and not s.request.params.greedy]
     if greedy:  # one argmax and one device->host copy for the whole batch
         best = torch.cat([logits[i] for i in greedy]).argmax(-1).tolist()
         offset = 0

@@ -139,7 +139,7 @@ class Scheduler:
         self.blocks.release(req.block_ids)
         req.block_ids = []
         req.num_computed = 0
-        req.draft_token_ids, req.draft_probs = [], None
+        req.clear_drafts()
         req.status = Status.WAITING
         req.num_preemptions += 1
         self.num_preemptions += 1

@@ -14,6 +14,10 @@ as the (4, 5, 256) graph: rows 0..4, 5..9 and 10..12 are real, rows 13..14 pad t
 (positions 43, 44), rows 15..19 are a padding sequence with context 5 and positions 0..4.  The third
 sequence gets context 40 + 5 = 45: its query i still sees exactly the keys at positions <= 40 + i.
 
+Draft trees (`enable_tree_masks`, when the speculator drafts trees): every step of q > 1 also stages a
+[batch, q, q] mask (specdec/draft_tree.py; causal rows for chains and padding) after its inputs, and a tree's
+nodes take the root's position plus their depth, while their slots stay in fed order.
+
 With ``compile_backend`` (e.g. "inductor") the padded forward of each shape is compiled with
 ``torch.compile`` before its graph is captured: elementwise chains fuse into a few Triton kernels, so the
 graph replays far fewer launches.  Each shape compiles separately, so this suits a short ladder.
@@ -27,6 +31,7 @@ import numpy as np
 import torch
 
 from specdec.engine.kv_cache import KVCache
+from specdec.engine.runner import fed_offsets, tree_mask_rows, tree_parents
 from specdec.engine.scheduler import ScheduledSeq
 from specdec.models.attention import AttentionBatch
 from specdec.models.transformer import CausalLM
@@ -66,16 +71,8 @@ class StaticRunner:
         self.max_context = _next_power_of_two(max(max_context, 256))
         self.capture = capture and device.type == "cuda"
         self.max_cols = -(-self.max_context // self.block_size)
-        size = _input_size(self.max_batch, max_q, self.max_cols) + self.max_batch * max_q  # + extra (_stage)
-        # A step's inputs live in one flat buffer (layout: _input_views) filled from a host staging buffer,
-        # pinned on a GPU, by a single asynchronous copy.  Consecutive steps stage in turn through a ring of
-        # buffers, so a step waits for the copy out of its buffer STAGING_RING steps ago, not the last one
-        # (which is queued behind the last forward): a drafter's chain queues its forwards without waiting.
-        self.inputs = torch.zeros(size, dtype=torch.long, device=device)
-        ring = STAGING_RING if self.capture else 1
-        self.staging = [torch.zeros(size, dtype=torch.long, pin_memory=self.capture) for _ in range(ring)]
-        self.staged = [torch.cuda.Event() for _ in range(ring)] if self.capture else None  # copies done
-        self.turn = 0  # the staging buffer of the next step
+        self.tree_masks = False  # enable_tree_masks()
+        self._make_buffers(_input_size(self.max_batch, max_q, self.max_cols) + self.max_batch * max_q)  # + extra
         self.q_offsets = np.arange(max_q)
         self.graphs: dict[tuple[int, int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         # Every captured graph writes its logits into this one buffer (rows of the largest shape): a graph
@@ -91,6 +88,25 @@ class StaticRunner:
         self._padded = self._padded_forward
         if compile_backend:
             self._padded = torch.compile(self._padded_forward, backend=compile_backend, dynamic=False)
+
+    def _make_buffers(self, size: int) -> None:
+        """A step's inputs live in one flat buffer (layout: _input_views) filled from a host staging buffer,
+        pinned on a GPU, by a single asynchronous copy.  Consecutive steps stage in turn through a ring of
+        buffers, so a step waits for the copy out of its buffer STAGING_RING steps ago, not the last one
+        (which is queued behind the last forward): a drafter's chain queues its forwards without waiting."""
+        self.inputs = torch.zeros(size, dtype=torch.long, device=self.device)
+        ring = STAGING_RING if self.capture else 1
+        self.staging = [torch.zeros(size, dtype=torch.long, pin_memory=self.capture) for _ in range(ring)]
+        self.staged = [torch.cuda.Event() for _ in range(ring)] if self.capture else None  # copies done
+        self.turn = 0  # the staging buffer of the next step
+
+    def enable_tree_masks(self) -> None:
+        """Stage a tree mask with every step of q > 1 (the module's note); call it before any graph is captured."""
+        if self.graphs:
+            raise RuntimeError("tree masks must be enabled before the runner captures its graphs")
+        self.tree_masks = True
+        rows = self.max_batch * self.max_q
+        self._make_buffers(_input_size(self.max_batch, self.max_q, self.max_cols) + rows * self.max_q)
 
     def shape_of(self, seqs: list[ScheduledSeq]) -> tuple[int, int, int]:
         """The (batch, q, context) bucket a step of these sequences is padded to."""
@@ -162,18 +178,22 @@ class StaticRunner:
 
     def _fill(self, seqs: list[ScheduledSeq], q: int, batch: int, context: int) -> None:
         """Stage the step's inputs for the (batch, q, context) bucket and copy them to the device at once."""
-        rows = []
+        rows, trees = [], []
         for seq in seqs:
             req = seq.request
             start, committed = req.num_computed, seq.num_new - seq.num_drafts
             ids = req.token_ids_between(start, start + committed) + req.draft_token_ids[:seq.num_drafts]
             rows.append((req.block_ids, start, ids))
-        self._stage(rows, q, batch, context)
+            trees.append(seq if tree_parents(seq) is not None else None)
+        if any(trees) and not self.tree_masks:
+            raise RuntimeError("a draft tree reached a runner without tree masks: enable_tree_masks() first")
+        self._stage(rows, q, batch, context, trees=trees)
 
     def _stage(self, rows: list[tuple[list[int], int, list[int]]], q: int, batch: int, context: int,
-               extra: list[int] = ()) -> None:
+               extra: list[int] = (), trees: list[ScheduledSeq | None] = ()) -> None:
         """Stage a padded step and copy it to the device: rows[i] = (blocks, first position, fed ids) of
-        sequence i (at most q ids); `extra` follows the step's inputs in the same copy (a subclass's indices)."""
+        sequence i (at most q ids); `extra` follows the step's inputs in the same copy (a subclass's indices);
+        trees[i], where given, is sequence i when its drafts are a tree (its positions and mask follow it)."""
         turn = self.turn
         self.turn = (turn + 1) % len(self.staging)
         if self.staged is not None:
@@ -197,11 +217,20 @@ class StaticRunner:
         # Example (block size 16, q = 3): start 35, fed 2, blocks [7, 2, 9] -> positions 35, 36, 37,
         # slots 9*16+3, 9*16+4, then scratch*16+2 for the padding row.
         offsets = self.q_offsets[:q]
-        positions[:] = starts[:, None] + offsets  # [batch, q]
-        block = np.take_along_axis(tables, np.minimum(positions // bs, cols - 1), axis=1)
-        slots[:] = np.where(offsets < fed[:, None], block * bs + positions % bs, scratch * bs + offsets % bs)
+        in_order = starts[:, None] + offsets  # [batch, q] fed order: where each row's key is written
+        block = np.take_along_axis(tables, np.minimum(in_order // bs, cols - 1), axis=1)
+        slots[:] = np.where(offsets < fed[:, None], block * bs + in_order % bs, scratch * bs + offsets % bs)
+        positions[:] = in_order
         ctx[:] = starts + q
         size = _input_size(batch, q, cols)
+        if self.tree_masks and q > 1:
+            mask = staging[size:size + batch * q * q].numpy().reshape(batch, q, q)
+            mask[:] = np.tril(np.ones((q, q), dtype=np.int64))  # chains and padding: causal
+            for i, seq in enumerate(trees):
+                if seq is not None:
+                    positions[i, :seq.num_new] = starts[i] + np.asarray(fed_offsets(seq))
+                    mask[i, :seq.num_new] = np.asarray(tree_mask_rows([seq], q), dtype=np.int64)
+            size += batch * q * q
         if extra:
             staging[size:size + len(extra)] = torch.as_tensor(extra, dtype=torch.long)
             size += len(extra)
@@ -225,7 +254,12 @@ class StaticRunner:
         return self._padded(batch, q, context)
 
     def _padded_forward(self, batch: int, q: int, context: int) -> torch.Tensor:
-        ids, positions, slots, ctx, tables = _input_views(self.inputs, batch, q, self._columns(context))
+        cols = self._columns(context)
+        ids, positions, slots, ctx, tables = _input_views(self.inputs, batch, q, cols)
+        tree = None
+        if self.tree_masks and q > 1:
+            size = _input_size(batch, q, cols)
+            tree = self.inputs[size:size + batch * q * q].view(batch, q, q) != 0  # [batch, q, q]
         attn = AttentionBatch(
             query_start=torch.arange(0, batch * q + 1, q, device=self.device),
             context_lens=ctx,
@@ -234,6 +268,7 @@ class StaticRunner:
             max_query_len=q,
             max_context_len=context,
             uniform=True,
+            tree_mask=tree,
         ).prepare(self.block_size)
         return self._call(ids, positions, attn, batch * q)
 

@@ -19,6 +19,10 @@ class Speculator:
     def propose(self, requests: list[Request], ks: list[int]) -> None:
         raise NotImplementedError
 
+    def tree_nodes(self, k: int) -> int:
+        """Draft tokens a request feeds at k: k for a chain; a tree's node count (req.draft_parents) for k deep."""
+        return k
+
     def observe(self, seqs: list, starts: list[int], runner) -> None:
         """After every target step, its committed sequences (engine.scheduler.ScheduledSeq; seqs[i] fed tokens
         from position starts[i]) and the runner that holds the step's features (runner.step_features)."""

@@ -63,7 +63,7 @@ def measure_tables(controller: KController, engine, spec: Speculator):
     budget = min(engine.config.max_num_batched_tokens, CALIBRATION_MAX_TOKENS)
     target = measure_step_cost(engine.runner, engine.blocks, engine.device, budget)
     verify = measure_verify_cost(engine.runner, engine.blocks, engine.device, engine.config.max_num_seqs,
-                                 controller.candidates(), engine.config.max_num_batched_tokens)
+                                 controller.candidates(), engine.config.max_num_batched_tokens, spec.tree_nodes)
     draft = None
     if spec.has_draft_model:
         draft = measure_step_cost(spec.runner, spec.blocks, spec.device,
@@ -161,7 +161,8 @@ def _eagle3_speculator(config: SpecConfig, llm):
     return Eagle3Speculator(head, engine.blocks, llm.model.config.vocab_size, layers,
                             static_shapes=engine.runner.static is not None,
                             max_batch=min(engine.config.max_num_seqs, engine.config.max_graph_batch),
-                            max_context=engine.graph_context_bound, cuda_graphs=engine.config.cuda_graphs)
+                            max_context=engine.graph_context_bound, cuda_graphs=engine.config.cuda_graphs,
+                            tree_width=config.tree_width)
 
 
 def check_same_tokenizer(target_dir: Path, draft_dir: Path) -> None:
@@ -193,17 +194,19 @@ def measure_step_cost(runner: ModelRunner, blocks: BlockManager, device: torch.d
 
 @torch.inference_mode()
 def measure_verify_cost(runner: ModelRunner, blocks: BlockManager, device: torch.device, max_batch: int,
-                        ks: list[int], max_tokens: int) -> dict[int, StepCostTable]:
-    """k -> step time against the batch B of a verify step (B sequences of k + 1 new tokens: a decode step for
-    k = 0), B = 1, 2, 4, ... up to max_batch and the token budget, through the runner as served steps go
+                        ks: list[int], max_tokens: int, nodes=lambda k: k) -> dict[int, StepCostTable]:
+    """k -> step time against the batch B of a verify step (B sequences of nodes(k) + 1 new tokens, nodes(k) the
+    drafts a speculator feeds at k: a decode step for k = 0), B = 1, 2, 4, ... up to max_batch and the token
+    budget, through the runner as served steps go
     (CUDA graphs after start-up capture).  The tokens-only table priced B (k + 1) verify tokens as B (k + 1)
     decode rows, and past the graph batch as an eager forward, while a verify step of that size is one
     captured graph: with 16 requests, every k > 0 was priced as an eager step."""
     tables = {}
     for k in ks:
-        sizes = [b for b in _powers_of_two(max_batch) if b * (k + 1) <= max_tokens and _fits(blocks, b, k + 1)]
+        n = nodes(k)
+        sizes = [b for b in _powers_of_two(max_batch) if b * (n + 1) <= max_tokens and _fits(blocks, b, n + 1)]
         if sizes:
-            tables[k] = measure_forward_cost(lambda b, k=k: _scratch_forward(runner, blocks, b, k + 1, drafts=k),
+            tables[k] = measure_forward_cost(lambda b, n=n: _scratch_forward(runner, blocks, b, n + 1, drafts=n),
                                              sizes, device)
     return tables
 

@@ -56,6 +56,7 @@ def calibration_key(engine, spec, candidates: list[int]) -> str:
         "drafter": repr(getattr(getattr(drafter, "model", None), "config", None)),
         "head": repr(getattr(getattr(spec, "head", None), "config", None)),
         "candidates": list(candidates),
+        "verify_tokens": [spec.tree_nodes(k) for k in candidates],  # a tree's verify steps feed more drafts
     }
     return hashlib.sha256(json.dumps(material, sort_keys=True, default=str).encode()).hexdigest()
 

@@ -9,6 +9,7 @@ from specdec.errors import ConfigError
 
 METHODS = ("draft", "eagle3", "ngram", "remote")
 MAX_DRAFT_TOKENS = 32
+MAX_TREE_WIDTH = 8
 
 
 @dataclasses.dataclass
@@ -24,6 +25,7 @@ class SpecConfig:
     draft_kv_cache_tokens: int | None = None  # draft: drafter KV size (default: the target's)
     timeout_s: float = 2.0  # remote: per-request timeout before falling back to no drafts
     draft_twin: str | None = None  # draft: run the drafter as a scaled twin of this shape (specdec.models.twin)
+    tree_width: int = 1  # eagle3: candidates per depth, a draft tree of k * tree_width nodes (1: a chain)
 
     def __post_init__(self):
         self.validate()
@@ -40,6 +42,14 @@ class SpecConfig:
         if self.method == "eagle3" and not self.model:
             raise ConfigError("the eagle3 speculator needs a draft head: SpecConfig(method='eagle3', model=DIR)"
                               " / --draft-model DIR (a directory in the published EAGLE-3 layout)")
+        if not isinstance(self.tree_width, int) or not 1 <= self.tree_width <= MAX_TREE_WIDTH:
+            raise ConfigError(f"tree_width must be an integer in [1, {MAX_TREE_WIDTH}], got {self.tree_width!r}")
+        if self.tree_width > 1 and self.method != "eagle3":
+            raise ConfigError(f"draft trees (tree_width {self.tree_width}) are drafted by the eagle3 speculator only, "
+                              f"not {self.method!r}: leave tree_width at 1")
+        if self.num_draft_tokens * self.tree_width > MAX_DRAFT_TOKENS:
+            raise ConfigError(f"a tree of num_draft_tokens x tree_width = {self.num_draft_tokens} x {self.tree_width} "
+                              f"nodes is more than the {MAX_DRAFT_TOKENS} drafts a step verifies: lower either")
         if self.method == "remote" and not self.url:
             raise ConfigError("the remote speculator needs the /draft server's URL: --draft-url URL")
         if not self.timeout_s > 0:
@@ -59,6 +69,9 @@ def add_spec_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--draft-timeout", type=float, default=2.0,
                        help="remote: seconds to wait for a /draft answer before going without drafts")
     group.add_argument("--draft-twin", default=None, help="run the drafter as a scaled twin: qwen3-0.6b, ...")
+    group.add_argument("--tree-width", type=int, default=1,
+                       help="eagle3: candidates per draft depth, verified as a tree of k x width tokens (default 1: "
+                            "a chain)")
 
 
 def spec_config_from_args(args: argparse.Namespace) -> SpecConfig | None:
@@ -66,4 +79,4 @@ def spec_config_from_args(args: argparse.Namespace) -> SpecConfig | None:
         return None
     return SpecConfig(method=args.speculator, model=args.draft_model, num_draft_tokens=args.num_draft_tokens,
                       url=args.draft_url, adaptive=not args.fixed_k, draft_twin=args.draft_twin,
-                      timeout_s=args.draft_timeout)
+                      timeout_s=args.draft_timeout, tree_width=args.tree_width)

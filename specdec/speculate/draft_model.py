@@ -77,7 +77,7 @@ class DraftModelSpeculator(Speculator):
     def propose(self, requests: list[Request], ks: list[int]) -> None:
         active = []
         for req, k in zip(requests, ks):
-            req.draft_token_ids, req.draft_probs = [], None
+            req.clear_drafts()
             k = min(k, self.max_positions - req.num_tokens)
             if k > 0 and self._sync(req, k):
                 active.append((req, k))

@@ -19,6 +19,11 @@ tokens there.  The chain needs the target's blocks up to its last position; it t
 block manager (the verify step needs them anyway), and a request that gets none drafts one token.  Requests
 are chained longest k first, so the rows still drafting at any forward are a prefix of the batch.
 
+With tree_width m > 1 the head drafts a tree instead (specdec/draft_tree.py spine_and_siblings): the same
+chain of forwards, fed each depth's top token (the spine), and beside every spine node the next m - 1 tokens
+of the same logits as leaves.  Tree drafts are deterministic candidates for every request, greedy or sampled
+(specdec/verify_tree.py): no drafter distribution, no uniforms.
+
 With static shapes (on a GPU, with the target's) the forwards run through HeadGraphs: padded buckets
 replayed as CUDA graphs, inputs staged without waiting for the device; an observe of a prefill's many
 positions runs eagerly beside them.
@@ -28,6 +33,7 @@ from __future__ import annotations
 
 import torch
 
+from specdec.draft_tree import spine_and_siblings
 from specdec.engine.kv_cache import BlockManager, KVCache, slot_of
 from specdec.engine.request import Request
 from specdec.engine.runner import flat_attention_batch
@@ -58,8 +64,9 @@ class Eagle3Speculator(Speculator):
 
     def __init__(self, head: Eagle3Head, blocks: BlockManager, target_vocab: int, feature_layers: tuple[int, ...],
                  static_shapes: bool = False, max_batch: int = 256, max_context: int = 8192,
-                 cuda_graphs: bool = True):
+                 cuda_graphs: bool = True, tree_width: int = 1):
         self.head = head
+        self.tree_width = tree_width  # candidates per depth (1: a chain, drafted at each request's settings)
         self.device = head.lm_head.weight.device
         self.blocks = blocks  # the target's: the head's cache is indexed by the target's block tables
         self.block_size = blocks.block_size
@@ -115,7 +122,7 @@ class Eagle3Speculator(Speculator):
     def propose(self, requests: list[Request], ks: list[int]) -> None:
         active = []
         for req, k in zip(requests, ks):
-            req.draft_token_ids, req.draft_probs = [], None
+            req.clear_drafts()
             state = self.states.get(req.request_id)
             if k <= 0 or state is None or state.last is None or state.computed != req.num_tokens - 1:
                 continue  # the head has not seen this request's newest position (nothing to draft from)
@@ -128,11 +135,15 @@ class Eagle3Speculator(Speculator):
         if active:
             self._chain(active)
 
+    def tree_nodes(self, k: int) -> int:
+        """Draft tokens a verify step of depth k feeds per request."""
+        return k * self.tree_width
+
     def _chain(self, active: list[tuple[Request, int]]) -> None:
         """Draft 1 from each request's last head output, then k - 1 forwards, all requests batched."""
         active = sorted(active, key=lambda item: -item[1])  # longest chain first: live rows are a prefix
         reqs = [r for r, _ in active]
-        uniforms = self._chain_uniforms(active)  # [B, k_max, V_draft] or None
+        uniforms = None if self.tree_width > 1 else self._chain_uniforms(active)  # [B, k_max, V_draft] or None
         last = [self.states[r.request_id] for r in reqs]
         states = torch.cat([s.last for s in last])  # [B, H]
         logits = torch.cat([s.last_logits for s in last]) if all(s.last_logits is not None for s in last) else None
@@ -141,11 +152,15 @@ class Eagle3Speculator(Speculator):
             live = sum(1 for _, k in active if k > i)
             reqs, states = reqs[:live], states[:live]
             # chain forward i feeds draft i at position num_tokens - 2 + i
-            states, logits = self._forward(drawn[-1][0][:live], states,
+            tokens = drawn[-1][0]  # [B] drafts, or [B, m] a tree's candidates (the first is the spine's)
+            states, logits = self._forward((tokens if tokens.dim() == 1 else tokens[:, 0])[:live], states,
                                            [(r.block_ids, r.num_tokens - 2 + i, 1) for r in reqs])
             self.stats["draft_forwards"] += 1
             drawn.append(self._draw(reqs, states, logits, uniforms, i))
-        self._hand_out(active, drawn)
+        if self.tree_width > 1:
+            self._hand_out_trees(active, drawn)
+        else:
+            self._hand_out(active, drawn)
 
     def _chain_uniforms(self, active: list[tuple[Request, int]]) -> torch.Tensor | None:
         """[B, k_max, V_draft] the uniforms of every draw of the chain, drawn at once: a seeded request's k rows
@@ -179,12 +194,25 @@ class Eagle3Speculator(Speculator):
             if not req.params.greedy:
                 req.draft_probs = next(probs)  # [k, V_target]
 
+    def _hand_out_trees(self, active, drawn) -> None:
+        """Read every depth's candidates back at once and give each request its tree: the spine (each depth's
+        first candidate), then each depth's other candidates (spine_and_siblings' layout)."""
+        tops = [top.tolist() for top in torch.cat([top for top, _ in drawn]).split([t.shape[0] for t, _ in drawn])]
+        for row, (req, k) in enumerate(active):
+            spine = [tops[depth][row][0] for depth in range(k)]
+            leaves = [t for depth in range(k) for t in tops[depth][row][1:]]
+            req.draft_token_ids, req.draft_parents = spine + leaves, spine_and_siblings(k, self.tree_width)
+
     def _draw(self, reqs: list[Request], states: torch.Tensor, logits: torch.Tensor | None,
               uniforms: torch.Tensor | None, step: int):
         """Draw step `step` of the chain from the head's outputs states [B, H] (or their logits [B, V_draft],
-        when the forward computed them)."""
+        when the forward computed them) -> (the tokens fed next [B], q rows); for a tree, (its top tokens
+        [B, tree_width] as target ids, best first: column 0 is fed next, None)."""
         if logits is None:
             logits = self.head.logits(states)  # [B, V_draft]
+        if self.tree_width > 1:
+            top = logits.topk(self.tree_width, dim=-1).indices  # [B, m] draft ids
+            return (top if self.target_ids is None else self.target_ids[top]), None
         return draw_drafts(logits, [r.params for r in reqs], [self._state(r).generator for r in reqs],
                            self.target_vocab, self.target_ids, map_q=False,
                            uniforms=None if uniforms is None else uniforms[:len(reqs), step])

@@ -134,7 +134,7 @@ class NgramSpeculator(Speculator):
             drafts = ngram_draft_batch(contexts, [k for _, k in asked], self.max_n, self.min_n,
                                        [req.stop_ids for req, _ in asked])
         for req in requests:
-            req.draft_token_ids, req.draft_probs = [], None
+            req.clear_drafts()
         for (req, _), draft in zip(asked, drafts):
             req.draft_token_ids = draft
 

@@ -79,7 +79,7 @@ class RemoteSpeculator(Speculator):
 
     def propose(self, requests: list[Request], ks: list[int]) -> None:
         for req in requests:
-            req.draft_token_ids, req.draft_probs = [], None
+            req.clear_drafts()
         asked = [(req, k) for req, k in zip(requests, ks) if k > 0]
         if not asked:
             return

@@ -52,7 +52,7 @@ class Speculation:
         if not k:  # a plain step: no speculator work (a host-bound step at 64 sequences is ~1.3 ms)
             for r in decoding:
                 if r.draft_token_ids:  # drafts of a step that left this request out
-                    r.draft_token_ids, r.draft_probs = [], None
+                    r.clear_drafts()
             return
         ks = [max(0, min(k, r.params.max_tokens - len(r.output_token_ids) - 1,
                          self.max_model_len - r.num_tokens - 1)) for r in decoding]
