@@ -222,11 +222,11 @@ class ThreadedServer:
 
 def serve(model: str, host: str = "127.0.0.1", port: int = 8100, **load_options) -> None:
     """Load the drafter, then serve it until interrupted (GET /health answers only once it is loaded)."""
-    import uvicorn
+    from specdec.server.process import serve as serve_app
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach a network, whatever gets imported
     drafter = load_drafter(model, **load_options)
     app = create_app(drafter, name=str(model))
     print(f"drafter {model} ({drafter.device}, KV cache {drafter.blocks.num_blocks * drafter.blocks.block_size} "
           f"tokens) on http://{host}:{port}", flush=True)
-    uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False)
+    serve_app(app, host, port, log_level="warning", access_log=False)
