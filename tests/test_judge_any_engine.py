@@ -135,3 +135,44 @@ def test_one_model_name_for_both_fails_with_a_hint(tmp_path):
     record = judge_fakes(tmp_path, SLOWER, RENAMED, model="fake-toy", workloads=("solo",), passes=1)
     assert record["score"] == 0.0 and "candidate engine: a request failed during warm-up: HTTP 404" in record["reason"]
     assert "lists 'toy-renamed'" in record["reason"] and "--candidate-model NAME" in record["reason"]
+
+
+def transformers_serve_missing() -> str | None:
+    """Why `transformers serve` cannot run here (None where it can): its optional dependencies."""
+    import importlib.util
+
+    if importlib.util.find_spec("transformers.cli.serve") is None:
+        return "this transformers has no `transformers serve` (transformers 5.x has)"
+    from transformers.utils.import_utils import is_serve_available
+
+    if not is_serve_available():
+        return "transformers serve's optional dependencies are missing: pip install 'transformers[serving]'"
+    if importlib.util.find_spec("accelerate") is None:  # it always loads with a device_map
+        return "transformers serve needs accelerate to load a model: pip install accelerate"
+    return None
+
+
+def test_transformers_serve_against_specdec_serve(tmp_path, toy_dir):
+    """The real `transformers serve` (no prompt log-probs) as stock, `specdec serve` with n-gram speculation as
+    candidate, the toy checkpoint as both engines' model and as --scorer: every gate is measured, none fails."""
+    import shlex
+    import sys
+
+    from specdec.judge import JudgeConfig, run_judge
+    from specdec.judge.cli import serve_command
+
+    missing = transformers_serve_missing()
+    if missing:
+        pytest.skip(missing)
+    stock = shlex.join([sys.executable, "-m", "transformers.cli.transformers", "serve", str(toy_dir),
+                        "--device", "cpu", "--host", "127.0.0.1"]) + " --port {port}"
+    candidate = serve_command(str(toy_dir), 1024, "--speculator ngram --num-draft-tokens 4")
+    config = JudgeConfig(stock=stock, candidate=candidate, prompts=write_prompts(tmp_path / "p.jsonl"),
+                         out=tmp_path / "out", workloads=("solo", "team"), passes=1, num_prompts=24, max_tokens=16,
+                         concurrency=4, gate_prompts=4, scorer=toy_dir, quiet=True, startup_timeout_s=180)
+    record = run_judge(config)
+    assert record["reason"] is None, record["reason"]
+    assert {g["verdict"] for g in record["gates"]} <= {"pass", "inconclusive", "reported"}, record["gates"]
+    assert record["fidelity"] == 0.0 and record["greedy_agreement"] == 1.0  # one model, decoded greedily alike
+    assert record["models"]["stock"] == str(toy_dir) and record["scorer"].startswith("local reference")
+    assert set(record["ratios"]) == {"solo", "team"} and record["specscore"] > 0

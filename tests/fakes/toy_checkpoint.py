@@ -22,7 +22,10 @@ from tests.fakes.engine import EOS, WORDS, ToyModel
 
 HIDDEN = 48  # >= the table's rows (its words) and outputs (its words and end-of-text)
 SCALE = 100.0  # the embeddings' length: the final RMSNorm's epsilon then changes the logits by < 1e-8
-NEVER = -30.0  # the bare words' logit: text never continues with a word without its leading space
+NEVER = -30.0
+# transformers serve (5.x) samples at a request's temperature only where the model's generation config says
+# do_sample, and then from the 50 likeliest tokens unless it gives top_k: the fakes and specdec sample from all
+PLAIN_SAMPLING = {"do_sample": True, "top_k": 0}  # the bare words' logit: text never continues with a word without its leading space
 
 
 def vocabulary() -> dict[str, int]:
@@ -44,6 +47,7 @@ def save_toy_checkpoint(path: Path, variant: float = 0.0) -> Path:
     model = transformers.LlamaForCausalLM(config).eval()
     with torch.no_grad():
         set_bigram_weights(model, torch.tensor(ToyModel(variant=variant).logprobs, dtype=torch.float32))
+    model.generation_config.update(**PLAIN_SAMPLING)
     model.save_pretrained(path)
     save_word_tokenizer(Path(path))
     return Path(path)
