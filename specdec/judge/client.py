@@ -96,8 +96,9 @@ class EngineApi:
     async def score(self, client: httpx.AsyncClient, text: str) -> Reply:
         """The text's own tokens with their log-probs (and top-1), through echo + logprobs."""
         body = {"prompt": text, "echo": True, "logprobs": 1, "temperature": 0.0}
-        status, data = await self.post(client, {**body, "max_tokens": self.echo_max_tokens})
-        if status == 400 and self.echo_max_tokens == 0:  # some engines want at least one new token
+        sent = self.echo_max_tokens  # read once: concurrent requests may have sent 0 before one learnt to send 1
+        status, data = await self.post(client, {**body, "max_tokens": sent})
+        if status == 400 and sent == 0:  # some engines want at least one new token
             self.echo_max_tokens = 1
             status, data = await self.post(client, {**body, "max_tokens": 1})
         if status != 200 or not isinstance(data, dict):

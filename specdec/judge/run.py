@@ -322,7 +322,18 @@ class Judge:
                 raise
             except RequestError as exc:
                 engine.check_alive(f"during {label}", grace_s=3.0 if exc.dropped else 0.0)  # a dying one drops first
-                raise JudgeFailure(f"{role} engine: a request failed during {label}: {exc}") from None
+                raise JudgeFailure(f"{role} engine: a request failed during {label}: {exc}"
+                                   f"{self.model_hint(role)}") from None
+
+    def model_hint(self, role: str) -> str:
+        """Where an engine's /v1/models does not list the model its requests name: which names it lists."""
+        listed = model_names(self.apis[role].base_url)
+        model = self.apis[role].model
+        if not listed or model in listed:
+            return ""
+        return (f" (the requests name the model {model!r}, which the engine's /v1/models does not list: it lists "
+                f"{', '.join(map(repr, listed))}; give --{role}-model NAME where the engines name one model "
+                "differently)")
 
     # ---- the record ----
 
@@ -474,11 +485,15 @@ def mean_over_passes(by_pass: dict[int, list[int]]) -> list[float]:
 
 def model_name(url: str) -> str:
     """The first model id the engine lists at /v1/models (or "default")."""
+    return (model_names(url) or ["default"])[0]
+
+
+def model_names(url: str) -> list[str]:
+    """The model ids the engine lists at /v1/models ([] where it lists none or answers nothing readable)."""
     try:
-        data = http_get(f"{url}/v1/models").json()
-        return str(data["data"][0]["id"])
-    except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError):
-        return "default"
+        return [str(row["id"]) for row in http_get(f"{url}/v1/models").json()["data"]]
+    except (httpx.HTTPError, ValueError, KeyError, TypeError):
+        return []
 
 
 def speculator_name(spec: str) -> str:

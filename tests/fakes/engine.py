@@ -10,6 +10,7 @@ token_ms / speedup milliseconds per token (requests run in parallel threads, as 
 Modes, each built to fail one check of the judge's gate (normal passes them all):
   normal   the model as it is
   hot      samples at 1.6 x the asked temperature         (likelihood, first choices)
+  cold     samples at 0.5 x the asked temperature         (likelihood, first choices)
   short    stops every reply at half its max_tokens        (reply lengths)
   perturb  adds noise to the log-probs it reports          (fixed texts)
   hog      holds --hog-mib of extra memory                 (device memory)
@@ -17,6 +18,10 @@ Modes, each built to fail one check of the judge's gate (normal passes them all)
   crash    exits with code 3 before serving
   fail     answers completions with HTTP 500
   hang     never answers completions
+
+--no-logprobs answers as `transformers serve` does (transformers 5.x, cli/serving/completion.py): it ignores
+`echo` and `logprobs` (text and usage only, no logprobs field) and refuses max_tokens=0 with HTTP 400.
+--served-model-name NAME lists NAME at /v1/models and answers a request for another model with HTTP 404.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ WORDS = [a + b for a in ("ka", "lo", "mi", "nu", "pe", "ro", "si", "tu") for b i
 EOS = len(WORDS)
 TOKEN = re.compile(r"\s*\S+")
 KV_WINDOW_S = 0.3
+TEMPERATURE_SCALE = {"hot": 1.6, "cold": 0.5}
 
 
 def word_id(token: str) -> int:
@@ -119,8 +125,7 @@ class Fake:
         if self.args.mode == "short":
             max_tokens = max(1, max_tokens // 2) if max_tokens else 0
         temperature = float(body.get("temperature", 1.0))
-        if self.args.mode == "hot":
-            temperature *= 1.6
+        temperature *= TEMPERATURE_SCALE.get(self.args.mode, 1.0)
         prompt_tokens = [m.group() for m in TOKEN.finditer(prompt)]
         prompt_offsets = [m.start() for m in TOKEN.finditer(prompt)]
         prev = word_id(prompt_tokens[-1]) if prompt_tokens else 0
@@ -137,7 +142,7 @@ class Fake:
         text = "".join(" " + WORDS[i] for i in ids)
         claimed = 2 * n_out if self.args.mode == "inflate" else n_out
         choice = {"index": 0, "text": text, "finish_reason": "stop" if stopped else "length", "logprobs": None}
-        if body.get("logprobs") is not None:
+        if body.get("logprobs") is not None and not self.args.no_logprobs:
             gen_tokens = [" " + WORDS[i] for i in ids]
             gen_offsets = list(np.cumsum([0] + [len(t) for t in gen_tokens])[:-1] + len(prompt))
             if body.get("echo"):
@@ -147,9 +152,19 @@ class Fake:
             else:
                 choice["logprobs"] = self.logprobs_of(gen_tokens, gen_offsets, prev, int(body["logprobs"]) or 1)
             choice["logprobs"]["text_offset"] = [int(o) for o in choice["logprobs"]["text_offset"]]
-        return {"id": f"cmpl-{self.requests}", "object": "text_completion", "model": "fake-toy", "choices": [choice],
-                "usage": {"prompt_tokens": len(prompt_tokens), "completion_tokens": claimed,
-                          "total_tokens": len(prompt_tokens) + claimed}}
+        return {"id": f"cmpl-{self.requests}", "object": "text_completion", "model": self.args.served_model_name,
+                "choices": [choice], "usage": {"prompt_tokens": len(prompt_tokens), "completion_tokens": claimed,
+                                               "total_tokens": len(prompt_tokens) + claimed}}
+
+    def refusal(self, body: dict) -> tuple[int, dict] | None:
+        """(status, body) for a request this engine refuses: another model's name, or (as transformers serve)
+        max_tokens=0."""
+        model = body.get("model")
+        if model is not None and model != self.args.served_model_name:
+            return 404, {"error": {"message": f"the model {model!r} does not exist", "code": 404}}
+        if self.args.no_logprobs and body.get("max_tokens") == 0:
+            return 400, {"detail": "`max_new_tokens` must be greater than 0, but is 0."}
+        return None
 
     def use_kv(self, tokens: int) -> None:
         now = time.monotonic()
@@ -204,7 +219,7 @@ def handler(fake: Fake, started: float):
             elif self.path == "/metrics" and not fake.args.no_metrics:
                 self.reply(200, fake.metrics(), "text/plain")
             elif self.path == "/v1/models":
-                self.reply(200, {"object": "list", "data": [{"id": "fake-toy", "object": "model"}]})
+                self.reply(200, {"object": "list", "data": [{"id": fake.args.served_model_name, "object": "model"}]})
             else:
                 self.reply(404, {"error": "not found"})
 
@@ -222,6 +237,9 @@ def handler(fake: Fake, started: float):
                 return self.reply(500, {"error": {"message": "fake engine: internal error"}})
             if fake.args.mode == "hang":
                 time.sleep(3600)
+            refusal = fake.refusal(body)
+            if refusal is not None:
+                return self.reply(*refusal)
             self.reply(200, fake.complete(body))
 
     return Handler
@@ -236,8 +254,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--mode", default="normal",
-                        choices=("normal", "hot", "short", "perturb", "hog", "inflate", "crash", "fail", "hang"))
+    parser.add_argument("--mode", default="normal", choices=("normal", "hot", "cold", "short", "perturb", "hog",
+                                                              "inflate", "crash", "fail", "hang"))
     parser.add_argument("--token-ms", type=float, default=1.0, help="milliseconds per generated token")
     parser.add_argument("--speedup", type=float, default=1.0, help="divide the time per token by this")
     parser.add_argument("--speculate", action="store_true", help="expose draft/accept counters in /metrics")
@@ -250,6 +268,9 @@ def main(argv=None) -> int:
     parser.add_argument("--no-metrics", action="store_true")
     parser.add_argument("--variant", type=float, default=0.0,
                         help="serve a different model under the same name: this weight of a second table mixed in")
+    parser.add_argument("--no-logprobs", action="store_true",
+                        help="ignore echo and logprobs, refuse max_tokens=0: as transformers serve does")
+    parser.add_argument("--served-model-name", default="fake-toy", help="the one model name it answers to")
     args = parser.parse_args(argv)
     if args.mode == "crash":
         print("fake engine: failing to load the model (mode crash)", file=sys.stderr, flush=True)
