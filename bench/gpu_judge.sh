@@ -63,6 +63,7 @@ case " $TWINS " in *" eagletree "*)
   judge twin8b-eagle3-tree 8100 8104 ${TWIN_JUDGE_S:-120} "ref-target as qwen3-8b twin, EAGLE-3 head ref-head as its twin drafting trees (k=5, width 3)" ;; esac
 case " $TWINS " in *" ngram "*)
   judge twin8b-ngram 8100 8102 ${TWIN_JUDGE_S:-120} "ref-target as qwen3-8b twin, n-gram speculator (k=8)" ;; esac
+for p in $ports; do curl -sf "localhost:$p/metrics" > "$OUT/metrics-$p.txt"; done  # what each engine did, in all
 kill $PIDS; wait; PIDS=""; echo "twin judges done at ${SECONDS}s"
 fi
 

@@ -1,10 +1,14 @@
 """Continuous batching: which requests run this step, with how many tokens each.
 
 Every step has a token budget.  Running requests go first, oldest first; each feeds its uncomputed
-tokens (one while decoding, plus any drafts to verify; a chunk of its prompt while prefilling).
-Waiting requests are admitted oldest first while budget, sequence slots and cache blocks remain.
-When a running request needs a block and none is free, the newest running request is preempted:
-its blocks are released and it is recomputed from scratch later (its tokens so far become prompt).
+tokens (one while decoding; a chunk of its prompt while prefilling).  Then each decoding request's drafts
+join, in the same order, as far as the budget and blocks already free allow.  Waiting requests are admitted
+oldest first while budget, sequence slots and cache blocks remain.
+When a running request needs a block and none is free, blocks other running requests hold beyond their
+tokens (a drafter's lookahead: an EAGLE-3 head's chain takes them in propose) are taken back first; then the
+newest running request is preempted: its blocks are released and it is recomputed from scratch later (its
+tokens so far become prompt).  Drafts never preempt anyone: under a nearly full cache, speculation must
+not turn decoding into recomputation.
 
 Admissions can be coalesced (`admission_batch`): a step that prefills runs eagerly, and on a GPU an eager
 step costs many graph-replayed decode steps, so admitting each request in the step its slot frees up turns
@@ -65,6 +69,7 @@ class Scheduler:
             scheduled.append(seq)
             budget -= seq.num_new
             i += 1
+        budget = self._add_drafts(scheduled, budget)
         if len(scheduled) == len(self.running) and self._admission_due(scheduled):  # nobody left out
             budget = self._admit(scheduled, budget)
         return scheduled
@@ -107,20 +112,43 @@ class Scheduler:
     # ------------------------------------------------------------------
 
     def _plan(self, req: Request, budget: int) -> ScheduledSeq:
+        """The request's uncomputed tokens this step, drafts left to _add_drafts."""
         remaining = req.num_tokens - req.num_computed
         if remaining > budget:  # chunked prefill: no sampling this step, drafts wait
             return ScheduledSeq(req, budget, 0, samples=False)
-        drafts = min(len(req.draft_token_ids), budget - remaining)
-        return ScheduledSeq(req, remaining + drafts, drafts, samples=True)
+        return ScheduledSeq(req, remaining, 0, samples=True)
+
+    def _add_drafts(self, scheduled: list[ScheduledSeq], budget: int) -> int:
+        """Each sampling sequence's drafts (a prefix of them: a tree's layout keeps parents first) as far as the
+        budget and the blocks it holds or that are free allow, never preempting; returns the budget left."""
+        size = self.blocks.block_size
+        for i, seq in enumerate(scheduled):
+            req = seq.request
+            if not seq.samples or not req.draft_token_ids or budget <= 0:
+                continue
+            end = req.num_computed + seq.num_new  # the first draft's position
+            room = (len(req.block_ids) + self.blocks.num_free) * size - end
+            drafts = min(len(req.draft_token_ids), budget, room)
+            if drafts <= 0:
+                continue
+            need = self.blocks.blocks_for(end + drafts) - len(req.block_ids)
+            if need > 0:
+                req.block_ids.extend(self.blocks.allocate(need))  # free: room counted them
+            scheduled[i] = ScheduledSeq(req, seq.num_new + drafts, drafts, samples=True)
+            budget -= drafts
+        return budget
 
     def _grow(self, req: Request, num_tokens: int) -> bool:
-        """Give req blocks for num_tokens, preempting the newest running requests if needed."""
+        """Give req blocks for num_tokens: from the free ones, then from other requests' lookahead blocks, then
+        by preempting the newest running requests."""
         need = self.blocks.blocks_for(num_tokens) - len(req.block_ids)
         while need > 0:
             new = self.blocks.allocate(need)
             if new is not None:
                 req.block_ids.extend(new)
                 return True
+            if self._reclaim_lookahead(req):
+                continue
             victim = self.running[-1]
             if victim is req and len(self.running) == 1:  # alone and still too big: the cache is full
                 self.running.remove(req)
@@ -133,6 +161,18 @@ class Scheduler:
             if victim is req:
                 return False
         return True
+
+    def _reclaim_lookahead(self, asking: Request) -> bool:
+        """Release the blocks other running requests hold beyond their tokens (what a drafter took for drafts
+        not yet verified); returns whether any were freed."""
+        freed = False
+        for other in self.running:
+            keep = self.blocks.blocks_for(other.num_tokens)
+            if other is not asking and len(other.block_ids) > keep:
+                self.blocks.release(other.block_ids[keep:])
+                del other.block_ids[keep:]
+                freed = True
+        return freed
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
