@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Where a speculating engine's time and memory go at batch 1 (the judge's solo load), on scaled twins.
+"""Where a speculating engine's time and memory go at batch 1 (the judge's solo load; --batch N: N replies at
+once, as under the team load), on scaled twins.
 
 For the plain twin engine and each speculating one: tokens/s over a few sampled replies (temperature 1,
 seeded), per k the steps taken, their mean time and the drafter's share of it (`propose`), tokens per step,
@@ -90,11 +91,11 @@ class StepClock:
         return {"by_k": by_k, "catch_up": catch_up}
 
 
-def profile_phases(llm: LLM, prompt: str, params: SamplingParams, steps: int) -> dict:
+def profile_phases(llm: LLM, prompts: list[str], params: SamplingParams, steps: int) -> dict:
     """Where one engine step's time goes, per phase (propose, schedule, verify forward, accept, commit, observe):
     host milliseconds per step (the phase's wall time as the host runs it, waits for the device included) and
     device milliseconds per step (the kernels the phase launched, graph replays included), over `steps` steps
-    of one reply under torch.profiler; `device_busy_ms` is every kernel's time per step, `step_ms` the wall."""
+    of the prompts' replies decoding together under torch.profiler; `device_busy_ms` is every kernel's time per step, `step_ms` the wall."""
     import specdec.engine.engine as engine_module
     from torch.profiler import ProfilerActivity, profile, record_function
 
@@ -119,7 +120,8 @@ def profile_phases(llm: LLM, prompt: str, params: SamplingParams, steps: int) ->
                     host_s[_label] += time.perf_counter() - t
         setattr(owner, attr, wrapped)
     try:
-        req = engine.add_request(llm.tokenizer.encode(prompt), dataclasses.replace(params, max_tokens=steps * 8))
+        reqs = [engine.add_request(llm.tokenizer.encode(p), dataclasses.replace(params, max_tokens=steps * 8))
+                for p in prompts]
         for _ in range(3):  # past the prefill
             engine.step()
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if engine.device.type == "cuda" else [])
@@ -128,13 +130,13 @@ def profile_phases(llm: LLM, prompt: str, params: SamplingParams, steps: int) ->
         t0 = time.perf_counter()
         with profile(activities=activities) as prof:
             done = 0
-            while done < steps and not req.finished:
+            while done < steps and not any(r.finished for r in reqs):
                 engine.step()
                 done += 1
             sync(engine.device)
         wall = time.perf_counter() - t0
         measured = dict(host_s)
-        while not req.finished:
+        while engine.has_work():
             engine.step()
     finally:
         for owner, attr, original in saved:
@@ -155,7 +157,7 @@ def profile_phases(llm: LLM, prompt: str, params: SamplingParams, steps: int) ->
 
 
 def measure(name: str, make, prompts: list[str], tokens: int, device: torch.device,
-            profile_steps: int = 0) -> dict:
+            profile_steps: int = 0, batch: int = 1) -> dict:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     t0 = time.perf_counter()
@@ -163,12 +165,12 @@ def measure(name: str, make, prompts: list[str], tokens: int, device: torch.devi
     built_s = time.perf_counter() - t0
     clock = StepClock(llm)
     params = [SamplingParams(max_tokens=tokens, temperature=1.0, seed=i, ignore_eos=True) for i in range(len(prompts))]
-    llm.generate(prompts[:1], params[:1])  # warm-up
+    llm.generate(prompts[:batch], params[:batch])  # warm-up
     clock.reset()
     before, compiles_before = llm.engine.metrics(), compiles()
     emitted, t0 = 0, time.perf_counter()
-    for prompt, p in zip(prompts, params):  # one at a time, as the judge's solo load
-        emitted += len(llm.generate([prompt], p)[0].token_ids)
+    for i in range(0, len(prompts), batch):  # `batch` at a time (1: the judge's solo load)
+        emitted += sum(len(o.token_ids) for o in llm.generate(prompts[i:i + batch], params[i:i + batch]))
     seconds = time.perf_counter() - t0
     after = llm.engine.metrics()
     row = {"config": name, "built_s": built_s, "tok_s": emitted / seconds, **clock.summary(),
@@ -176,7 +178,7 @@ def measure(name: str, make, prompts: list[str], tokens: int, device: torch.devi
            **{key: after.get(key, 0) - before.get(key, 0)
               for key in ("eager_forwards", "draft_eager_forwards", "head_eager_forwards")}}
     if profile_steps:
-        row["profile"] = profile_phases(llm, prompts[0], params[0], profile_steps)
+        row["profile"] = profile_phases(llm, prompts[:batch], params[0], profile_steps)
     if device.type == "cuda":
         row.update(allocated_mib=torch.cuda.memory_allocated(device) / 2**20,
                    reserved_mib=torch.cuda.memory_reserved(device) / 2**20,
@@ -200,6 +202,7 @@ def main(argv=None) -> int:
     parser.add_argument("--head-twin", default="qwen3-8b", help="the head's twin shape (that of its target)")
     parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--batch", type=int, default=1, help="replies decoding together (1: the solo load)")
     parser.add_argument("--configs", default="plain,draft-adaptive-k8,draft-k4")
     parser.add_argument("--attention-backend", default=None, choices=("sdpa", "triton"),
                         help="the engines' attention (default: the engine's, triton on a GPU)")
@@ -208,7 +211,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     prompts = [json.loads(line)["prompt"] for line in heldout_prompts_path().read_text().splitlines()[:args.prompts]]
-    engine = dict(device=device, max_num_seqs=1, kv_cache_tokens=4096, max_model_len=2048,
+    engine = dict(device=device, max_num_seqs=args.batch, kv_cache_tokens=4096 * args.batch, max_model_len=2048,
                   twin=args.target_twin or None, attention_backend=args.attention_backend)
     draft = dict(model=args.draft, draft_twin=args.draft_twin or None)
     configs = {"plain": None,
@@ -228,10 +231,10 @@ def main(argv=None) -> int:
                                                                   **head)
     results = {"env": environment(device), "attention_backend": args.attention_backend or "engine default",
                "target": f"{args.target} as {args.target_twin} twin",
-               "drafter": f"{args.draft} as {args.draft_twin} twin", "tokens": args.tokens, "rows": []}
+               "drafter": f"{args.draft} as {args.draft_twin} twin", "tokens": args.tokens, "batch": args.batch, "rows": []}
     for name in args.configs.split(","):
         row = measure(name, lambda: LLM(args.target, speculator=configs[name], **engine), prompts, args.tokens,
-                      device, args.profile_steps)
+                      device, args.profile_steps, args.batch)
         results["rows"].append(row)
         print(json.dumps(row), flush=True)
         write_json(args.out, results)

@@ -69,30 +69,31 @@ def test_trees_with_mixed_sampling_settings_keep_greedy_rows_exact(qwen3_dir, he
     assert outs[1].token_ids == llm.generate(prompts[1], params[1])[0].token_ids  # seeded: batch-independent
 
 
-def propose_likely_tokens(llm, tokens: list[int]) -> None:
-    """Make the tree's candidates at every depth these tokens (best first), so that the random head's trees
-    are accepted often, at the spine and at its siblings: the test then has power over both."""
+def propose_from(llm, q: torch.Tensor, width: int) -> None:
+    """Make every depth's candidates `width` independent draws from q [V] (a distribution over the target's
+    vocabulary near the target's own), so that the random head's trees are accepted often, at the spine and at
+    its siblings: the test then has power over both."""
     spec = llm.engine.speculator
-    candidates = torch.tensor(tokens)
+    spec.target_ids = None  # q and the candidates are in the target's vocabulary already
 
-    def draw(reqs, states, logits, uniforms, step):
-        return candidates.expand(len(reqs), -1), None
+    def draw(reqs, states, logits, uniforms, siblings, step):
+        return torch.multinomial(q.expand(len(reqs), -1), width, replacement=True), [q[None]] * len(reqs)
 
     spec._draw = draw
 
 
 @pytest.mark.parametrize("broken", [False, True])
 def test_sampled_tree_tokens_follow_the_target_distribution(qwen3_dir, head_dir, broken, monkeypatch):
-    """T = 1 through the padded (graph) path with trees of width 3 whose candidates are the target's likely
-    tokens: the second token follows the target's exact marginal; a walk that accepts every first child fails
-    the same check."""
+    """T = 1 through the padded (graph) path with trees of width 3 whose candidates are drawn from a
+    distribution near the target's: the second token follows the target's exact marginal; a walk that accepts
+    every first child fails the same check."""
     if broken:
         monkeypatch.setattr(verify_tree, "_walk", accept_first_child)
     llm = tree_llm(qwen3_dir, head_dir, 2, 3, max_num_seqs=64, kv_cache_tokens=16384, static_shapes=True,
                    max_graph_batch=64)
     prompt = [5, 17, 30, 2, 9]
     marginal = _exact_token2_marginal(qwen3_dir, prompt)
-    propose_likely_tokens(llm, np.argsort(-marginal)[:3].tolist())
+    propose_from(llm, torch.tensor(0.5 * marginal + 0.5 / len(marginal), dtype=torch.float32), 3)
     moved = count_side_paths(llm)
     counts, outs = _token2_counts(llm, prompt, 4000)
     p = chi_square_p(counts, marginal)
@@ -112,3 +113,16 @@ def test_tree_width_is_checked():
         SpecConfig("eagle3", model="x", num_draft_tokens=8, tree_width=5)
     with pytest.raises(ConfigError, match="tree_width"):
         SpecConfig("eagle3", model="x", tree_width=0)
+
+
+def test_sampled_trees_of_the_head_itself_follow_the_target(qwen3_dir, head_dir):
+    """The head's own sampled trees (spine and siblings drawn from its distribution, mapped through d2t): the
+    second token follows the target's exact marginal."""
+    llm = tree_llm(qwen3_dir, head_dir, 2, 3, max_num_seqs=64, kv_cache_tokens=16384, static_shapes=True,
+                   max_graph_batch=64)
+    moved = count_side_paths(llm)
+    prompt = [5, 17, 30, 2, 9]
+    counts, outs = _token2_counts(llm, prompt, 4000)
+    accepted = sum(o.num_accepted for o in outs)
+    assert accepted > 300 and len(moved) > 100, (accepted, len(moved))
+    assert chi_square_p(counts, _exact_token2_marginal(qwen3_dir, prompt)) > 1e-3

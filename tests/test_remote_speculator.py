@@ -14,6 +14,7 @@ import torch
 
 from specdec import LLM, SamplingParams
 from specdec.drafting.server import ThreadedServer, create_app, load_drafter
+from specdec.engine.request import Request
 from specdec.server.metrics import ServerMetrics
 from specdec.speculate import SpecConfig
 from specdec.speculate.remote import RemoteSpeculator
@@ -101,9 +102,8 @@ FAILING = {  # reason -> (behaviour, words the warning must carry)
 }
 
 
-def fake_requests(n: int = 2) -> list:
-    return [types.SimpleNamespace(all_token_ids=[5, 6, 7 + i], draft_token_ids=None, draft_probs=None)
-            for i in range(n)]
+def fake_requests(n: int = 2) -> list[Request]:
+    return [Request([5, 6, 7 + i], SamplingParams(max_tokens=8), torch.device("cpu")) for i in range(n)]
 
 
 def step(spec: RemoteSpeculator, n: int = 2, k: int = 4) -> list[list[int]]:

@@ -61,7 +61,7 @@ def test_tree_output_follows_the_target_token_by_token():
     _assert_follows_target(_run(tokens, p, 40_000), tokens, p)
 
 
-def accept_first_child(draft_ids, children, p_nodes, u):
+def accept_first_child(children, draft_ids, u, tests):
     """A broken walk (the negative control): every first child accepted, whatever the target says."""
     verdict, row = Verdict(tokens=[], rows=[0]), 0
     while children[row]:
@@ -69,7 +69,7 @@ def accept_first_child(draft_ids, children, p_nodes, u):
         verdict.tokens.append(draft_ids[node])
         row = node + 1
         verdict.rows.append(row)
-    return verdict, row, []
+    return verdict, (row, 0)
 
 
 def test_accept_first_child_control_fails_the_same_check(monkeypatch):
@@ -108,6 +108,46 @@ def test_chain_equals_the_chain_verifier_with_seeded_rows():
     for row, verdict in zip(chain.tolist(), tree):
         assert [t for t in row if t >= 0] == verdict.tokens
         assert verdict.rows == list(range(len(verdict.tokens)))
+
+
+def test_sampled_chain_equals_the_chain_verifier_with_seeded_rows():
+    """Drafts drawn from q (draft_probs): on a chain the walk is verify.accept's min(1, p/q) test and residual."""
+    gen = torch.Generator().manual_seed(6)
+    batch, k, vocab = 300, 3, 6
+    p = _dirichlet(batch * (k + 1), vocab, gen).view(batch, k + 1, vocab)
+    q = (0.5 * p[:, :k] + 0.5 * _dirichlet(batch * k, vocab, gen).view(batch, k, vocab))
+    drafts = torch.multinomial(q.reshape(-1, vocab), 1, generator=gen).view(batch, k)
+    chain = accept(drafts, q, p, [torch.Generator().manual_seed(s) for s in range(batch)])
+    tree = accept_tree(drafts.tolist(), [list(range(-1, k - 1))] * batch, p.reshape(-1, vocab),
+                       [torch.Generator().manual_seed(s) for s in range(batch)], list(q))
+    assert [[t for t in row if t >= 0] for row in chain.tolist()] == [v.tokens for v in tree]
+    assert sum(len(v.tokens) - 1 for v in tree) > 100  # drafts were accepted, and rejected
+
+
+def test_sampled_candidates_follow_the_target_token_by_token(monkeypatch):
+    """Every row's children drawn independently from that row's q: the emitted tokens follow p row by row."""
+    gen = torch.Generator().manual_seed(8)
+    trials, vocab = 40_000, 6
+    p = _peaked_target(gen, [1, 2, 3, 4, 5])
+    q = torch.stack([0.5 * p[r] + 0.5 * _dirichlet(1, vocab, gen)[0] for r in range(3)])  # rows 0, 1, 2 have children
+    # root -> {n0, n1} drawn from q[0]; n0 -> {n2} from q[1]; n1 -> {n3} from q[2]; n2 -> {n4}: token 5, fixed
+    draws = torch.multinomial(q[[0, 0, 1, 2]], trials, replacement=True, generator=gen).T  # [trials, 4]
+    tokens = [row + [5] for row in draws.tolist()]
+    torch.manual_seed(2)
+    verdicts = accept_tree(tokens, [TREE_PARENTS] * trials, p.repeat(trials, 1), None, [q] * trials)
+    _assert_follows_target(verdicts, [], p)
+    # control: a walk that keeps testing against p and draws the final token from p, not from the residual
+    def no_residual(rows, limit=None):
+        for j in range(rows.tokens.shape[1]):
+            x = rows.tokens[:, j:j + 1].clamp(min=0)
+            yield rows.probs.gather(1, x)[:, 0], rows.q.gather(1, x)[:, 0]
+        yield rows.probs
+
+    monkeypatch.setattr(verify_tree, "_residuals", no_residual)
+    torch.manual_seed(2)
+    control = accept_tree(tokens, [TREE_PARENTS] * trials, p.repeat(trials, 1), None, [q] * trials)
+    with pytest.raises(AssertionError, match="do not follow the target"):
+        _assert_follows_target(control, [], p)
 
 
 def test_greedy_rows_take_the_child_equal_to_the_argmax():

@@ -50,7 +50,8 @@ class Request:
         self.draft_token_ids: list[int] = []  # proposed for the next step
         self.draft_probs: torch.Tensor | None = None  # [k, V] drafter distributions, None = deterministic
         # A draft tree instead of a chain: node i's parent (-1: the newest token), parents before children
-        # (specdec/verify_tree.py); None: the drafts are a chain.  Tree drafts are deterministic candidates.
+        # (specdec/verify_tree.py); None: the drafts are a chain.  For a tree, draft_probs[r] is the distribution
+        # the children of fed row r (0: the newest token, i + 1: node i) were drawn from.
         self.draft_parents: list[int] | None = None
         self.logprobs: list[TokenLogprobs] = []
         self.finish_reason: str | None = None

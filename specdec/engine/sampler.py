@@ -48,7 +48,7 @@ def _verify_trees(seqs: list[ScheduledSeq], logits: list[torch.Tensor]) -> list[
                                                      for _ in range(rows.shape[0])])  # [sum(N_b + 1), V]
     return accept_tree([s.request.draft_token_ids[:s.num_drafts] for s in seqs],
                        [s.request.draft_parents[:s.num_drafts] for s in seqs], probs,
-                       [s.request.generator for s in seqs])
+                       [s.request.generator for s in seqs], [s.request.draft_probs for s in seqs])
 
 
 def _sample_chains(seqs: list[ScheduledSeq | None], logits: list[torch.Tensor]) -> list[list[int]]:

@@ -20,9 +20,10 @@ block manager (the verify step needs them anyway), and a request that gets none 
 are chained longest k first, so the rows still drafting at any forward are a prefix of the batch.
 
 With tree_width m > 1 the head drafts a tree instead (specdec/draft_tree.py spine_and_siblings): the same
-chain of forwards, fed each depth's top token (the spine), and beside every spine node the next m - 1 tokens
-of the same logits as leaves.  Tree drafts are deterministic candidates for every request, greedy or sampled
-(specdec/verify_tree.py): no drafter distribution, no uniforms.
+chain of forwards, fed each depth's first candidate (the spine), and beside every spine node the depth's other
+m - 1 candidates as leaves.  A greedy request's candidates are the head's m best tokens; a sampled request's
+are m independent draws from the head's distribution at its settings (the spine's as the chain's, the others
+by inverse CDF), verified against that distribution (specdec/verify_tree.py).
 
 With static shapes (on a GPU, with the target's) the forwards run through HeadGraphs: padded buckets
 replayed as CUDA graphs, inputs staged without waiting for the device; an observe of a prefill's many
@@ -143,11 +144,12 @@ class Eagle3Speculator(Speculator):
         """Draft 1 from each request's last head output, then k - 1 forwards, all requests batched."""
         active = sorted(active, key=lambda item: -item[1])  # longest chain first: live rows are a prefix
         reqs = [r for r, _ in active]
-        uniforms = None if self.tree_width > 1 else self._chain_uniforms(active)  # [B, k_max, V_draft] or None
+        uniforms = self._chain_uniforms(active)  # [B, k_max, V_draft] or None
+        siblings = self._sibling_uniforms(active) if self.tree_width > 1 else None  # [B, k_max, m - 1] or None
         last = [self.states[r.request_id] for r in reqs]
         states = torch.cat([s.last for s in last])  # [B, H]
         logits = torch.cat([s.last_logits for s in last]) if all(s.last_logits is not None for s in last) else None
-        drawn = [self._draw(reqs, states, logits, uniforms, 0)]  # per forward: its tokens [live], its q rows
+        drawn = [self._draw(reqs, states, logits, uniforms, siblings, 0)]  # per forward: its tokens, q rows
         for i in range(1, active[0][1]):
             live = sum(1 for _, k in active if k > i)
             reqs, states = reqs[:live], states[:live]
@@ -156,7 +158,7 @@ class Eagle3Speculator(Speculator):
             states, logits = self._forward((tokens if tokens.dim() == 1 else tokens[:, 0])[:live], states,
                                            [(r.block_ids, r.num_tokens - 2 + i, 1) for r in reqs])
             self.stats["draft_forwards"] += 1
-            drawn.append(self._draw(reqs, states, logits, uniforms, i))
+            drawn.append(self._draw(reqs, states, logits, uniforms, siblings, i))
         if self.tree_width > 1:
             self._hand_out_trees(active, drawn)
         else:
@@ -184,11 +186,7 @@ class Eagle3Speculator(Speculator):
             for row in range(tokens.shape[0]):
                 chains[row].append(ids[at + row])
             at += tokens.shape[0]
-        sampled = [row for row, (req, _) in enumerate(active) if not req.params.greedy]
-        if sampled:  # every sampled row's q, request by request, into the target vocabulary in one go
-            q = torch.cat([qs[row] for row in sampled for _, qs in drawn if row < len(qs)])  # [sum k, V_draft]
-            q = in_target_vocab(q, self.target_vocab, self.target_ids)
-            probs = iter(torch.split(q, [len(chains[row]) for row in sampled]))
+        probs = self._q_rows(active, drawn)
         for row, (req, _) in enumerate(active):
             req.draft_token_ids = chains[row]
             if not req.params.greedy:
@@ -196,26 +194,64 @@ class Eagle3Speculator(Speculator):
 
     def _hand_out_trees(self, active, drawn) -> None:
         """Read every depth's candidates back at once and give each request its tree: the spine (each depth's
-        first candidate), then each depth's other candidates (spine_and_siblings' layout)."""
+        first candidate), then each depth's other candidates (spine_and_siblings' layout); a sampled request
+        also gets each depth's distribution [k, V_target] (row r: its children's, r = 0 the root's)."""
         tops = [top.tolist() for top in torch.cat([top for top, _ in drawn]).split([t.shape[0] for t, _ in drawn])]
+        probs = self._q_rows(active, drawn)
         for row, (req, k) in enumerate(active):
             spine = [tops[depth][row][0] for depth in range(k)]
             leaves = [t for depth in range(k) for t in tops[depth][row][1:]]
             req.draft_token_ids, req.draft_parents = spine + leaves, spine_and_siblings(k, self.tree_width)
+            if not req.params.greedy:
+                req.draft_probs = next(probs)
+
+    def _q_rows(self, active, drawn):
+        """Every sampled request's q rows [k, V_target] in turn, mapped into the target vocabulary in one go."""
+        sampled = [(row, k) for row, (req, k) in enumerate(active) if not req.params.greedy]
+        if not sampled:
+            return iter(())
+        q = torch.cat([qs[row] for row, _ in sampled for _, qs in drawn if row < len(qs)])  # [sum k, V_draft]
+        q = in_target_vocab(q, self.target_vocab, self.target_ids)
+        return iter(torch.split(q, [k for _, k in sampled]))
+
+    def _sibling_uniforms(self, active: list[tuple[Request, int]]) -> torch.Tensor | None:
+        """[B, k_max, m - 1] the uniforms of a tree's sibling draws (one each, by inverse CDF), a seeded request's
+        from its own stream after its chain's; None when every request is greedy."""
+        if all(r.params.greedy for r, _ in active):
+            return None
+        depth, width = active[0][1], self.tree_width - 1
+        rows = [torch.rand(depth, width, generator=self._state(r).generator, device=self.device)
+                if self._state(r).generator is not None else None for r, _ in active]
+        shared = torch.rand(len(active), depth, width, device=self.device)
+        return torch.stack([own if own is not None else shared[i] for i, own in enumerate(rows)])
 
     def _draw(self, reqs: list[Request], states: torch.Tensor, logits: torch.Tensor | None,
-              uniforms: torch.Tensor | None, step: int):
+              uniforms: torch.Tensor | None, siblings: torch.Tensor | None, step: int):
         """Draw step `step` of the chain from the head's outputs states [B, H] (or their logits [B, V_draft],
-        when the forward computed them) -> (the tokens fed next [B], q rows); for a tree, (its top tokens
-        [B, tree_width] as target ids, best first: column 0 is fed next, None)."""
+        when the forward computed them) -> (the tokens fed next [B], per row its q [1, V_draft] or None); for a
+        tree, the tokens are the depth's candidates [B, m] (target ids; column 0 is fed next)."""
         if logits is None:
             logits = self.head.logits(states)  # [B, V_draft]
+        first, qs = draw_drafts(logits, [r.params for r in reqs], [self._state(r).generator for r in reqs],
+                                self.target_vocab, None, map_q=False,
+                                uniforms=None if uniforms is None else uniforms[:len(reqs), step])  # draft ids
         if self.tree_width > 1:
-            top = logits.topk(self.tree_width, dim=-1).indices  # [B, m] draft ids
-            return (top if self.target_ids is None else self.target_ids[top]), None
-        return draw_drafts(logits, [r.params for r in reqs], [self._state(r).generator for r in reqs],
-                           self.target_vocab, self.target_ids, map_q=False,
-                           uniforms=None if uniforms is None else uniforms[:len(reqs), step])
+            first = self._candidates(logits, first, qs, None if siblings is None else siblings[:len(reqs), step])
+        return (first if self.target_ids is None else self.target_ids[first]), qs
+
+    def _candidates(self, logits: torch.Tensor, first: torch.Tensor, qs: list, uniforms: torch.Tensor | None
+                    ) -> torch.Tensor:
+        """[B, m] a depth's candidates in draft ids: greedy rows the m best tokens; sampled rows `first` (drawn
+        from q) and m - 1 more independent draws from q, by inverse CDF with `uniforms` [B, m - 1]."""
+        out = logits.topk(self.tree_width, dim=-1).indices  # [B, m]
+        sampled = [row for row, q in enumerate(qs) if q is not None]
+        if sampled:
+            index = upload(sampled, logits.device)
+            q = torch.cat([qs[row] for row in sampled])  # [S, V_draft]
+            cdf = q.float().cumsum(-1)
+            draws = torch.searchsorted(cdf, uniforms[index] * cdf[:, -1:]).clamp_(max=q.shape[-1] - 1)  # [S, m-1]
+            out[index] = torch.cat([first[index, None], draws], 1)
+        return out
 
     def _blocks_for_chain(self, req: Request, k: int) -> bool:
         """Blocks of the target's tables up to the chain's last position, num_tokens + k - 3."""
