@@ -3,7 +3,6 @@ follows the target's distribution (with a control that fails), and accepted side
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
@@ -76,7 +75,7 @@ def propose_from(llm, q: torch.Tensor, width: int) -> None:
     spec = llm.engine.speculator
     spec.target_ids = None  # q and the candidates are in the target's vocabulary already
 
-    def draw(reqs, states, logits, uniforms, siblings, step):
+    def draw(reqs, states, logits, uniforms, step):
         return torch.multinomial(q.expand(len(reqs), -1), width, replacement=True), [q[None]] * len(reqs)
 
     spec._draw = draw

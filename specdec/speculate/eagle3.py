@@ -22,8 +22,8 @@ are chained longest k first, so the rows still drafting at any forward are a pre
 With tree_width m > 1 the head drafts a tree instead (specdec/draft_tree.py spine_and_siblings): the same
 chain of forwards, fed each depth's first candidate (the spine), and beside every spine node the depth's other
 m - 1 candidates as leaves.  A greedy request's candidates are the head's m best tokens; a sampled request's
-are m independent draws from the head's distribution at its settings (the spine's as the chain's, the others
-by inverse CDF), verified against that distribution (specdec/verify_tree.py).
+are m independent draws from the head's distribution at its settings, verified against that distribution
+(specdec/verify_tree.py).
 
 With static shapes (on a GPU, with the target's) the forwards run through HeadGraphs: padded buckets
 replayed as CUDA graphs, inputs staged without waiting for the device; an observe of a prefill's many
@@ -144,12 +144,11 @@ class Eagle3Speculator(Speculator):
         """Draft 1 from each request's last head output, then k - 1 forwards, all requests batched."""
         active = sorted(active, key=lambda item: -item[1])  # longest chain first: live rows are a prefix
         reqs = [r for r, _ in active]
-        uniforms = self._chain_uniforms(active)  # [B, k_max, V_draft] or None
-        siblings = self._sibling_uniforms(active) if self.tree_width > 1 else None  # [B, k_max, m - 1] or None
+        uniforms = self._chain_uniforms(active)  # [B, k_max, m] or None
         last = [self.states[r.request_id] for r in reqs]
         states = torch.cat([s.last for s in last])  # [B, H]
         logits = torch.cat([s.last_logits for s in last]) if all(s.last_logits is not None for s in last) else None
-        drawn = [self._draw(reqs, states, logits, uniforms, siblings, 0)]  # per forward: its tokens, q rows
+        drawn = [self._draw(reqs, states, logits, uniforms, 0)]  # per forward: its tokens, q rows
         for i in range(1, active[0][1]):
             live = sum(1 for _, k in active if k > i)
             reqs, states = reqs[:live], states[:live]
@@ -158,24 +157,25 @@ class Eagle3Speculator(Speculator):
             states, logits = self._forward((tokens if tokens.dim() == 1 else tokens[:, 0])[:live], states,
                                            [(r.block_ids, r.num_tokens - 2 + i, 1) for r in reqs])
             self.stats["draft_forwards"] += 1
-            drawn.append(self._draw(reqs, states, logits, uniforms, siblings, i))
+            drawn.append(self._draw(reqs, states, logits, uniforms, i))
         if self.tree_width > 1:
             self._hand_out_trees(active, drawn)
         else:
             self._hand_out(active, drawn)
 
     def _chain_uniforms(self, active: list[tuple[Request, int]]) -> torch.Tensor | None:
-        """[B, k_max, V_draft] the uniforms of every draw of the chain, drawn at once: a seeded request's k rows
-        from its own stream (so what it drafts does not depend on its batch), the others' in one call."""
+        """[B, k_max, m] the uniforms of every draw of the chain (m = tree_width draws a depth, one uniform each),
+        drawn at once: a seeded request's from its own stream (so what it drafts does not depend on its batch),
+        the others' in one call; None when every request is greedy."""
         if all(r.params.greedy for r, _ in active):
             return None
-        depth, vocab = active[0][1], self.head.config.draft_vocab_size
-        generators = [self._state(r).generator for r, _ in active]
-        if all(g is None for g in generators):
-            return torch.rand(len(active), depth, vocab, device=self.device)
-        rows = [torch.rand(k if g is not None else depth, vocab, generator=g, device=self.device)
-                for (_, k), g in zip(active, generators)]
-        return torch.stack([torch.nn.functional.pad(u, (0, 0, 0, depth - u.shape[0])) for u in rows])
+        depth, width = active[0][1], self.tree_width
+        out = torch.rand(len(active), depth, width, device=self.device)
+        for row, (req, k) in enumerate(active):
+            generator = self._state(req).generator
+            if generator is not None:  # its own k draws only: how long the batch's chains are does not matter
+                out[row, :k] = torch.rand(k, width, generator=generator, device=self.device)
+        return out
 
     def _hand_out(self, active, drawn) -> None:
         """Read every forward's drafts back at once (the one host sync) and give each request its chain."""
@@ -214,44 +214,17 @@ class Eagle3Speculator(Speculator):
         q = in_target_vocab(q, self.target_vocab, self.target_ids)
         return iter(torch.split(q, [k for _, k in sampled]))
 
-    def _sibling_uniforms(self, active: list[tuple[Request, int]]) -> torch.Tensor | None:
-        """[B, k_max, m - 1] the uniforms of a tree's sibling draws (one each, by inverse CDF), a seeded request's
-        from its own stream after its chain's; None when every request is greedy."""
-        if all(r.params.greedy for r, _ in active):
-            return None
-        depth, width = active[0][1], self.tree_width - 1
-        rows = [torch.rand(depth, width, generator=self._state(r).generator, device=self.device)
-                if self._state(r).generator is not None else None for r, _ in active]
-        shared = torch.rand(len(active), depth, width, device=self.device)
-        return torch.stack([own if own is not None else shared[i] for i, own in enumerate(rows)])
-
     def _draw(self, reqs: list[Request], states: torch.Tensor, logits: torch.Tensor | None,
-              uniforms: torch.Tensor | None, siblings: torch.Tensor | None, step: int):
+              uniforms: torch.Tensor | None, step: int):
         """Draw step `step` of the chain from the head's outputs states [B, H] (or their logits [B, V_draft],
         when the forward computed them) -> (the tokens fed next [B], per row its q [1, V_draft] or None); for a
-        tree, the tokens are the depth's candidates [B, m] (target ids; column 0 is fed next)."""
+        tree, the depth's candidates [B, m] (column 0 is fed next): a greedy row's m best tokens, a sampled
+        row's m independent draws from q."""
         if logits is None:
             logits = self.head.logits(states)  # [B, V_draft]
-        first, qs = draw_drafts(logits, [r.params for r in reqs], [self._state(r).generator for r in reqs],
-                                self.target_vocab, None, map_q=False,
-                                uniforms=None if uniforms is None else uniforms[:len(reqs), step])  # draft ids
-        if self.tree_width > 1:
-            first = self._candidates(logits, first, qs, None if siblings is None else siblings[:len(reqs), step])
-        return (first if self.target_ids is None else self.target_ids[first]), qs
-
-    def _candidates(self, logits: torch.Tensor, first: torch.Tensor, qs: list, uniforms: torch.Tensor | None
-                    ) -> torch.Tensor:
-        """[B, m] a depth's candidates in draft ids: greedy rows the m best tokens; sampled rows `first` (drawn
-        from q) and m - 1 more independent draws from q, by inverse CDF with `uniforms` [B, m - 1]."""
-        out = logits.topk(self.tree_width, dim=-1).indices  # [B, m]
-        sampled = [row for row, q in enumerate(qs) if q is not None]
-        if sampled:
-            index = upload(sampled, logits.device)
-            q = torch.cat([qs[row] for row in sampled])  # [S, V_draft]
-            cdf = q.float().cumsum(-1)
-            draws = torch.searchsorted(cdf, uniforms[index] * cdf[:, -1:]).clamp_(max=q.shape[-1] - 1)  # [S, m-1]
-            out[index] = torch.cat([first[index, None], draws], 1)
-        return out
+        return draw_drafts(logits, [r.params for r in reqs], [self._state(r).generator for r in reqs],
+                           self.target_vocab, self.target_ids, map_q=False, draws=self.tree_width,
+                           uniforms=None if uniforms is None else uniforms[:len(reqs), step])
 
     def _blocks_for_chain(self, req: Request, k: int) -> bool:
         """Blocks of the target's tables up to the chain's last position, num_tokens + k - 3."""
