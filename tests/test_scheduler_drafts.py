@@ -64,3 +64,25 @@ def test_speculation_adds_no_preemptions_under_a_tight_cache(qwen3_dir, plain):
     assert plain_out == spec_out == plain
     assert spec.engine.metrics()["draft_tokens"] > 0
     assert plain_preempted > 0 and spec_preempted <= plain_preempted
+
+
+def test_the_controller_counts_the_drafts_the_step_really_verifies(qwen3_dir, plain):
+    """Drafts the scheduler cuts (no free block) are not counted in the tokens the controller expects."""
+    llm = LLM(qwen3_dir, device="cpu", kv_cache_tokens=160, block_size=4, max_num_batched_tokens=64,
+              speculator=SpecConfig("ngram", num_draft_tokens=8, adaptive=False))
+    planned, told = [], []
+    schedule, drafted = llm.engine.scheduler.schedule, llm.engine.controller.drafted
+
+    def recording_schedule():
+        seqs = schedule()
+        planned.append({s.request.request_id: s.num_drafts for s in seqs})
+        return seqs
+
+    def recording_drafted(ids, counts):
+        told.append((planned[-1], dict(zip(ids, counts))))
+        return drafted(ids, counts)
+
+    llm.engine.scheduler.schedule, llm.engine.controller.drafted = recording_schedule, recording_drafted
+    assert [o.token_ids for o in llm.generate(mixed_prompts(), GREEDY)] == plain
+    assert told and all(counts[r] == step.get(r, 0) for step, counts in told for r in counts)
+    assert any(0 < c < 8 for _, counts in told for c in counts.values())  # some were cut or found short

@@ -8,12 +8,11 @@ import time
 
 import torch
 
-from specdec.draft_tree import depths
 from specdec.engine.admission import AdmissionBatcher
 from specdec.engine.kv_cache import BlockManager, KVCache, num_blocks_for
 from specdec.engine.request import Request, TokenLogprobs
 from specdec.engine.runner import ModelRunner
-from specdec.engine.sampler import is_tree, sample_tokens
+from specdec.engine.sampler import draft_depth, is_tree, sample_tokens
 from specdec.engine.scheduler import ScheduledSeq, Scheduler
 from specdec.errors import ConfigError, InvalidRequestError
 from specdec.models.attention import BACKENDS as ATTENTION_BACKENDS, kernel_device, set_attention_backend
@@ -240,6 +239,8 @@ class Engine:
         if self.admission is not None:
             self.scheduler.admission_batch = self.admission.batch()
         seqs = self.scheduler.schedule()
+        if self.speculation is not None:
+            self.speculation.scheduled(seqs)
         finished = list(self.scheduler.out_of_cache)
         self.scheduler.out_of_cache.clear()
         for req in finished:
@@ -333,10 +334,9 @@ class Engine:
             req.accepted_per_position += [0] * (accepted - len(req.accepted_per_position))
         for j in range(accepted):
             req.accepted_per_position[j] += 1
-        tested = max(depths(req.draft_parents[:seq.num_drafts])) if is_tree(seq) else seq.num_drafts
         self._count_speculation(seq.num_drafts, accepted)
         if self.speculation is not None:
-            self.speculation.verified(req, tested, accepted)
+            self.speculation.verified(req, draft_depth(seq), accepted)
         if req.params.logprobs is not None:
             self._record_logprobs(req, rows[upload(verdict.rows, rows.device)], tokens)
         for token in tokens:

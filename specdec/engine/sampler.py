@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from specdec.draft_tree import depths
 from specdec.engine.scheduler import ScheduledSeq
 from specdec.sampling import processed_probs_rows
 from specdec.transfer import upload
@@ -39,6 +40,11 @@ def sample_tokens(seqs: list[ScheduledSeq], logits: list[torch.Tensor]) -> list[
 
 def is_tree(seq: ScheduledSeq) -> bool:
     return seq.num_drafts > 0 and seq.request.draft_parents is not None
+
+
+def draft_depth(seq: ScheduledSeq) -> int:
+    """How many drafts deep the step verifies the sequence: its drafts for a chain, its deepest node for a tree."""
+    return max(depths(seq.request.draft_parents[:seq.num_drafts])) if is_tree(seq) else seq.num_drafts
 
 
 def _verify_trees(seqs: list[ScheduledSeq], logits: list[torch.Tensor]) -> list[Verdict]:

@@ -1,7 +1,8 @@
 """Speculation as the engine sees it: one object, called in two places per step.
 
     before the step   propose(scheduler): the controller plans k for the decoding requests, the speculator
-                      fills their drafts
+                      fills their drafts; scheduled(seqs): the drafts the step really verifies (the scheduler
+                      cuts drafts that find no free block), which the controller's expected tokens count
     after the step    after_step(...): the speculator observes what the target's forward computed (the
                       features of the layers it asked for, for every fed position: no extra forward), the
                       controller learns the step's cost
@@ -13,6 +14,7 @@ from __future__ import annotations
 import time
 
 from specdec.engine.request import Request
+from specdec.engine.sampler import draft_depth
 from specdec.engine.scheduler import ScheduledSeq, Scheduler
 from specdec.speculate.base import Speculator
 
@@ -24,6 +26,7 @@ class Speculation:
         self.max_model_len = max_model_len
         self.step_budget = step_budget  # the engine's max_num_batched_tokens
         self.decoding = 0  # decoding requests in the step being run
+        self.drafting: list[Request] = []  # the requests propose() drafted for, until scheduled()
 
     @property
     def feature_layers(self) -> tuple[int, ...]:
@@ -57,7 +60,17 @@ class Speculation:
         ks = [max(0, min(k, r.params.max_tokens - len(r.output_token_ids) - 1,
                          self.max_model_len - r.num_tokens - 1)) for r in decoding]
         self.speculator.propose(decoding, ks)
-        self.controller.drafted([r.request_id for r in decoding], [len(r.draft_token_ids) for r in decoding])
+        self.drafting = decoding
+
+    def scheduled(self, seqs: list[ScheduledSeq]) -> None:
+        """The step's plan is made: tell the controller the drafts each drafted request really verifies (its
+        draft depth; 0 where the scheduler cut them all or left the request out)."""
+        if not self.drafting:
+            return
+        depth = {s.request.request_id: draft_depth(s) for s in seqs}
+        self.controller.drafted([r.request_id for r in self.drafting],
+                                [depth.get(r.request_id, 0) for r in self.drafting])
+        self.drafting = []
 
     def after_step(self, seqs: list[ScheduledSeq], starts: list[int], runner, started: float) -> float:
         """The target's step is committed: the speculator observes it (starts[i] is where seqs[i]'s fed tokens
