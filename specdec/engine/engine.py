@@ -14,6 +14,7 @@ from specdec.engine.request import Request, TokenLogprobs
 from specdec.engine.runner import ModelRunner
 from specdec.engine.sampler import draft_depth, is_tree, sample_tokens
 from specdec.engine.scheduler import ScheduledSeq, Scheduler
+from specdec.engine.state_slots import StateSlots
 from specdec.errors import ConfigError, InvalidRequestError
 from specdec.models.attention import BACKENDS as ATTENTION_BACKENDS, kernel_device, set_attention_backend
 from specdec.models.transformer import CausalLM
@@ -119,18 +120,23 @@ class Engine:
         num_blocks = num_blocks_for(mc, config.block_size, dtype, self.device, config.kv_cache_tokens,
                                     config.gpu_memory_utilization, step_bytes, config.shared_kv_bytes_per_token)
         self.kv_cache = KVCache(mc, num_blocks, config.block_size, self.device, dtype)
-        self.blocks = BlockManager(num_blocks, config.block_size)
+        self.blocks = BlockManager(num_blocks, config.block_size, prefix_caching=not mc.is_hybrid)
+        # a hybrid model's linear layers keep a recurrent state per running sequence (engine/state_slots.py)
+        self.states = StateSlots(mc, config.max_num_seqs, self.device, dtype) if mc.is_hybrid else None
         if config.fused_kernels is not False and self.device.type == "cuda":
             from specdec.models.fused import enable_fused_kernels
 
             enable_fused_kernels()
         self.attention_backend = self._choose_attention_backend()
         set_attention_backend(self.attention_backend)  # before any graph is captured: graphs keep their choice
-        self.runner = ModelRunner(model, self.kv_cache, self.device, self._static_runner(), self._piecewise_runner())
+        self.runner = ModelRunner(model, self.kv_cache, self.device, self._static_runner(), self._piecewise_runner(),
+                                  self.states)
         # coalesced admissions: a fixed batch, or one sized from measured step costs (engine/admission.py)
         self.admission = AdmissionBatcher(config.max_num_seqs) if config.admission_batch is None else None
         self.scheduler = Scheduler(self.blocks, config.max_num_batched_tokens, config.max_num_seqs,
                                    config.admission_batch or 1, config.admission_max_wait)
+        if self.states is not None:
+            self.scheduler.on_release = self.states.release
         self.eos_token_ids = eos_token_ids
         self.speculation = None  # speculate.speculation.Speculation: everything speculative, one object
         self.detokenize = detokenize  # ids -> text, needed for stop strings
@@ -154,6 +160,10 @@ class Engine:
         from specdec.engine.static_runner import StaticRunner
 
         use = self.config.static_shapes if self.config.static_shapes is not None else self.device.type == "cuda"
+        if self.model.config.is_hybrid:  # its steps run eagerly so far
+            if self.config.static_shapes:
+                raise ConfigError("static_shapes (CUDA graphs) do not run hybrid models (Qwen3.5) yet: leave it unset")
+            return None
         if not use:
             return None
         return StaticRunner(self.model, self.kv_cache, self.device, min(self.config.max_graph_batch,
@@ -163,6 +173,10 @@ class Engine:
 
     def _use_piecewise(self, model: CausalLM) -> bool:
         tensor_parallel = getattr(model, "tensor_parallel", None) is not None
+        if model.config.is_hybrid:
+            if self.config.piecewise_graphs:
+                raise ConfigError("piecewise_graphs do not run hybrid models (Qwen3.5) yet: leave it unset")
+            return False
         if self.config.piecewise_graphs is None:
             return self.device.type == "cuda" and self.config.cuda_graphs and not tensor_parallel
         if self.config.piecewise_graphs and tensor_parallel:
@@ -250,6 +264,8 @@ class Engine:
         starts = [s.request.num_computed for s in seqs]
         logits = self.runner.forward(seqs)  # per seq [1 + drafts, V] or empty
         verdicts = sample_tokens(seqs, logits)
+        if self.states is not None:  # a verified sequence's state advances by exactly the tokens it kept
+            self.states.commit([s.num_new - s.num_drafts + len(v.tokens) - 1 for s, v in zip(seqs, verdicts)])
         for i, (seq, rows, verdict) in enumerate(zip(seqs, logits, verdicts)):
             if is_tree(seq):  # the accepted path's keys and features go where a chain's would be
                 self.runner.keep_path(i, seq, starts[i], verdict.rows)
@@ -278,8 +294,12 @@ class Engine:
 
         self.speculation = Speculation(speculator, controller, self.max_model_len,
                                        self.config.max_num_batched_tokens)
-        if speculator.tree_nodes(2) > 2 and self.runner.static is not None:  # it drafts trees
-            self.runner.static.enable_tree_masks()
+        if speculator.tree_nodes(2) > 2:  # it drafts trees
+            if self.states is not None:
+                raise ConfigError("draft trees do not run on hybrid models (Qwen3.5): their linear layers read the "
+                                  "fed tokens as one sequence; leave tree_width at 1")
+            if self.runner.static is not None:
+                self.runner.static.enable_tree_masks()
         if speculator.feature_layers:
             static = self.runner.static
             rows = max(self.config.max_num_batched_tokens, static.max_batch * static.max_q if static else 0)
@@ -313,6 +333,8 @@ class Engine:
         return count
 
     def _on_finished(self, req: Request) -> None:
+        if self.states is not None:
+            self.states.release(req)
         if self.speculation is not None:
             self.speculation.release(req)
 
@@ -453,10 +475,12 @@ class Engine:
             raise InvalidRequestError(f"sequence of {len(token_ids)} tokens does not fit the free KV cache")
         chunks = []
         try:
-            while req.num_computed < len(token_ids):
+            while req.num_computed < len(token_ids):  # (a hybrid model's state slot is taken at the first chunk)
                 n = min(len(token_ids) - req.num_computed, self.config.max_num_batched_tokens)
                 chunks.append(self.runner.forward_all_rows(ScheduledSeq(req, n, 0, samples=False)))  # [n, V]
                 req.num_computed += n
         finally:
             self.blocks.release(req.block_ids)
+            if self.states is not None:
+                self.states.release(req)
         return torch.cat(chunks)

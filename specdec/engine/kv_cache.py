@@ -50,8 +50,9 @@ class BlockManager:
     keys/values.  A block handed out again leaves the cache with every registered block after it.
     """
 
-    def __init__(self, num_blocks: int, block_size: int):
+    def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = True):
         self.num_blocks = num_blocks
+        self.prefix_caching = prefix_caching  # off: no prompt is served from cached blocks (hybrid models)
         self.block_size = block_size
         self.ref_count = [0] * num_blocks
         self.free_blocks: collections.OrderedDict[int, None] = collections.OrderedDict.fromkeys(range(num_blocks))
@@ -70,7 +71,7 @@ class BlockManager:
 
     def cached_prefix(self, token_ids: list[int]) -> tuple[list[int], list[int]]:
         """Cached blocks holding a prefix of token_ids (at most len - 1 tokens) and their hashes."""
-        usable = (len(token_ids) - 1) // self.block_size
+        usable = (len(token_ids) - 1) // self.block_size if self.prefix_caching else 0
         blocks, hashes, parent = [], [], None
         for i in range(usable):
             tokens = token_ids[i * self.block_size:(i + 1) * self.block_size]
@@ -143,6 +144,8 @@ class BlockManager:
     def register_full_blocks(self, tokens: list[int], block_ids: list[int], hashes: list[int], num_tokens: int) -> None:
         """Extend the hash chain `hashes` over every full block of tokens[:num_tokens] not hashed yet, and
         register each block so that later prompts with the same prefix can reuse it."""
+        if not self.prefix_caching:
+            return
         size = self.block_size
         first, end = len(hashes), num_tokens // size
         for i in range(first, end):
@@ -178,7 +181,8 @@ class BlockManager:
 
 
 class KVCache:
-    """Per layer a key and a value tensor of shape [(num_blocks + 1) * block_size, n_kv_heads, head_dim].
+    """Per full-attention layer a key and a value tensor of shape [(num_blocks + 1) * block_size, n_kv_heads,
+    head_dim] (a hybrid model's linear layers keep recurrent state instead: engine/state_slots.py).
 
     Block `num_blocks` (the last) is scratch, never handed out: padding rows of fixed-shape (CUDA graph)
     batches write and read there.
@@ -191,7 +195,7 @@ class KVCache:
         self.scratch_block = num_blocks
         shape = ((num_blocks + 1) * block_size, config.num_key_value_heads, config.head_dim)
         # one tensor [layers, 2 (key, value), slots, heads, dim]: a slot moves in every layer at once (move_slots)
-        self.data = torch.zeros(config.num_hidden_layers, 2, *shape, device=device, dtype=dtype)
+        self.data = torch.zeros(config.num_attention_layers, 2, *shape, device=device, dtype=dtype)
         self.layers = [(layer[0], layer[1]) for layer in self.data]
 
     def move_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
@@ -201,7 +205,7 @@ class KVCache:
     @staticmethod
     def bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
         itemsize = torch.empty((), dtype=dtype).element_size()
-        return 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * itemsize
+        return 2 * config.num_attention_layers * config.num_key_value_heads * config.head_dim * itemsize
 
 
 def num_blocks_for(config: ModelConfig, block_size: int, dtype: torch.dtype, device: torch.device,

@@ -32,7 +32,12 @@ def profile_step_bytes(model: CausalLM, max_tokens: int, max_seqs: int, block_si
     cache = KVCache(model.config, num_blocks, block_size, device, dtype)
     req = Request([0] * max_tokens, SamplingParams(max_tokens=1), device)
     req.block_ids = list(range(num_blocks))
-    ModelRunner(model, cache, device).forward([ScheduledSeq(req, max_tokens, 0, samples=True)])
+    states = None
+    if model.config.is_hybrid:  # one throw-away recurrent-state slot (engine/state_slots.py)
+        from specdec.engine.state_slots import StateSlots
+
+        states = StateSlots(model.config, 1, device, dtype)
+    ModelRunner(model, cache, device, states=states).forward([ScheduledSeq(req, max_tokens, 0, samples=True)])
     measured = 0
     if cuda:
         torch.cuda.synchronize(device)

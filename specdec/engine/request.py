@@ -47,6 +47,7 @@ class Request:
         self.num_cached_prefix = 0  # prompt tokens served from the prefix cache at the last admission
         self.block_ids: list[int] = []
         self.block_hashes: list[int] = []  # hash chain of the full, committed blocks registered so far
+        self.state_slot: int | None = None  # a hybrid model's recurrent-state slot (engine/state_slots.py)
         self.draft_token_ids: list[int] = []  # proposed for the next step
         self.draft_probs: torch.Tensor | None = None  # [k, V] drafter distributions, None = deterministic
         # A draft tree instead of a chain: node i's parent (-1: the newest token), parents before children

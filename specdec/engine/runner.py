@@ -13,7 +13,8 @@ from specdec.transfer import upload
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, kv_cache: KVCache, device: torch.device, static=None, piecewise=None):
+    def __init__(self, model: CausalLM, kv_cache: KVCache, device: torch.device, static=None, piecewise=None,
+                 states=None):
         self.model = model
         model.fuse_projections()  # one GEMM for q/k/v and one for gate/up (weights become views: no copy)
         self.kv_cache = kv_cache
@@ -23,6 +24,7 @@ class ModelRunner:
         self.eager_forwards = 0  # forwards that did not take the fixed-shape path (prefills, other shapes)
         self.piecewise = piecewise  # PiecewiseRunner for those (all but attention as CUDA graphs), or None
         self.feature_rows: list[int] = []  # the last forward's row of each sequence's first fed token
+        self.states = states  # engine/state_slots.StateSlots of a hybrid model, or None
 
     def step_features(self, seq_index: int, count: int) -> torch.Tensor:
         """[count, F] the model's captured features (CausalLM.capture_features) of the first `count` tokens
@@ -67,6 +69,8 @@ class ModelRunner:
         if any(tree_parents(s) is not None for s in seqs):
             tree = self._long(tree_mask_rows(seqs, max(s.num_new for s in seqs))).bool()  # [T, max_q]
         batch = self._batch(seqs, starts, ctx, slots, tree)
+        if self.states is not None:
+            batch.states = self.states.batch(seqs)
         ids = self._long(ids) if fed_ids is None else fed_ids.to(device=self.device, dtype=torch.long)
         piecewise = self.piecewise is not None and self.piecewise.fits(len(positions))
         model = self.piecewise.forward if piecewise else self.model
@@ -83,6 +87,8 @@ class ModelRunner:
         positions = torch.arange(start, start + seq.num_new, device=self.device)
         slots = [self._slot(req.block_ids, p) for p in range(start, start + seq.num_new)]
         batch = self._batch([seq], [0, seq.num_new], [start + seq.num_new], slots)
+        if self.states is not None:
+            batch.states = self.states.batch([seq])
         return self.model(ids, positions, batch, self.kv_cache.layers)
 
     @torch.inference_mode()

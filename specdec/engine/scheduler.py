@@ -50,6 +50,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.num_preemptions = 0
         self.out_of_cache: list[Request] = []  # finished because even alone they outgrew the cache
+        self.on_release = None  # called with a request that leaves the running set (finished or preempted)
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -108,6 +109,11 @@ class Scheduler:
             self.waiting.remove(request)
         self.blocks.release(request.block_ids)
         request.block_ids = []
+        self._released(request)
+
+    def _released(self, request: Request) -> None:
+        if self.on_release is not None:
+            self.on_release(request)
 
     # ------------------------------------------------------------------
 
@@ -178,6 +184,7 @@ class Scheduler:
         self.running.remove(req)
         self.blocks.release(req.block_ids)
         req.block_ids = []
+        self._released(req)
         req.num_computed = 0
         req.clear_drafts()
         req.status = Status.WAITING

@@ -1,0 +1,69 @@
+"""Qwen3.5 hybrid models in the engine: greedy output equals transformers' greedy generate, a batch equals each
+request alone, preemption (recompute from scratch) and chunked prefill change nothing, and speculation with
+n-gram lookup (verify steps that defer the recurrent state, then commit the kept tokens) equals plain decoding."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdec import LLM, SamplingParams
+from specdec.errors import ConfigError
+from specdec.speculate import SpecConfig
+from tests.test_qwen3_5 import build_hf
+
+GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+PROMPTS = [[5, 17, 30, 2, 9, 41], [7, 7, 7, 12, 12, 7, 7, 7, 12, 12, 7, 7], list(range(40, 75)), [3, 4]]
+
+
+@pytest.fixture(scope="module")
+def hybrid(tmp_path_factory):
+    """(model dir, transformers' greedy continuations of PROMPTS)."""
+    hf = build_hf("two-full")
+    path = tmp_path_factory.mktemp("hybrid")
+    hf.save_pretrained(path)
+    expected = []
+    with torch.no_grad():
+        for ids in PROMPTS:
+            out = hf.generate(torch.tensor([ids]), max_new_tokens=GREEDY.max_tokens, do_sample=False,
+                              eos_token_id=None, pad_token_id=0)
+            expected.append(out[0, len(ids):].tolist())
+    return path, expected
+
+
+def generate(path, prompts=PROMPTS, **kw) -> list[list[int]]:
+    kw.setdefault("kv_cache_tokens", 2048)
+    kw.setdefault("block_size", 4)
+    llm = LLM(path, device="cpu", **kw)
+    return [o.token_ids for o in llm.generate(prompts, GREEDY)], llm
+
+
+def test_greedy_equals_transformers_generate_batched_and_alone(hybrid):
+    path, expected = hybrid
+    together, llm = generate(path)
+    assert together == expected
+    assert [generate(path, [p])[0][0] for p in PROMPTS[:2]] == expected[:2]
+    assert llm.engine.blocks.prefix_hits == 0 and not llm.engine.states.last  # no prefix cache; nothing pending
+    assert sorted(llm.engine.states.free) == list(range(llm.engine.config.max_num_seqs + 1))  # every slot back
+
+
+def test_preemption_and_chunked_prefill_change_nothing(hybrid):
+    path, expected = hybrid
+    tight, llm = generate(path, kv_cache_tokens=96, max_num_batched_tokens=8)
+    assert tight == expected
+    assert llm.engine.scheduler.num_preemptions > 0
+
+
+@pytest.mark.parametrize("k", [1, 4])
+def test_ngram_speculation_equals_plain_decoding(hybrid, k):
+    path, expected = hybrid
+    spec, llm = generate(path, speculator=SpecConfig("ngram", num_draft_tokens=k, adaptive=False))
+    assert spec == expected
+    m = llm.engine.metrics()
+    assert m["draft_tokens"] > 0 and m["accepted_tokens"] > 0 and m["draft_tokens"] > m["accepted_tokens"]
+
+
+def test_hybrid_refuses_what_it_cannot_run(hybrid):
+    path, _ = hybrid
+    with pytest.raises(ConfigError, match="hybrid"):
+        LLM(path, device="cpu", static_shapes=True, kv_cache_tokens=256)
