@@ -1,15 +1,19 @@
 """Qwen3.5 hybrid models in the engine: greedy output equals transformers' greedy generate, a batch equals each
 request alone, preemption (recompute from scratch) and chunked prefill change nothing, and speculation with
-n-gram lookup (verify steps that defer the recurrent state, then commit the kept tokens) equals plain decoding."""
+n-gram lookup (verify steps that defer the recurrent state, then commit the kept tokens) equals plain decoding
+and, sampled, follows the target's distribution (with an accept-everything control that fails)."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
 from specdec import LLM, SamplingParams
 from specdec.errors import ConfigError
 from specdec.speculate import SpecConfig
+from tests.checkpoints import save_tiny
+from tests.stats import chi_square_p
 from tests.test_qwen3_5 import build_hf
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
@@ -67,3 +71,58 @@ def test_hybrid_refuses_what_it_cannot_run(hybrid):
     path, _ = hybrid
     with pytest.raises(ConfigError, match="hybrid"):
         LLM(path, device="cpu", static_shapes=True, kv_cache_tokens=256)
+
+
+def _token2_marginal(path, prompt: list[int]) -> np.ndarray:
+    """P(second generated token) at temperature 1, from transformers in float64."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64).eval()
+    with torch.no_grad():
+        p1 = model(torch.tensor([prompt])).logits[0, -1].softmax(-1)  # [V]
+        vocab = p1.shape[0]
+        p2 = model(torch.tensor([prompt + [t] for t in range(vocab)])).logits[:, -1].softmax(-1)  # [V, V]
+    return (p1[:, None] * p2).sum(0).numpy()
+
+
+def _accept_all(draft_ids, draft_probs, target_probs, generators=None):
+    """A broken verifier: every draft accepted, then a bonus token."""
+    return torch.cat([draft_ids, torch.multinomial(target_probs[:, -1], 1)], dim=1)
+
+
+@pytest.fixture(scope="module")
+def drafter(tmp_path_factory):
+    """A tiny Qwen3 drafter over the hybrid's 300-token vocabulary."""
+    return save_tiny(tmp_path_factory.mktemp("drafter"), tokenizer=False, vocab_size=300)
+
+
+def test_a_draft_model_on_a_hybrid_target_equals_plain_decoding(hybrid, drafter):
+    path, expected = hybrid
+    spec, llm = generate(path, speculator=SpecConfig("draft", model=str(drafter), num_draft_tokens=3,
+                                                     adaptive=False))
+    assert spec == expected and llm.engine.metrics()["draft_tokens"] > 0
+
+
+@pytest.mark.parametrize("broken", [False, True])
+def test_sampled_speculation_on_a_hybrid_follows_the_target(hybrid, drafter, broken, monkeypatch):
+    """A drafter's sampled drafts verified at temperature 1 on the hybrid target (deferred state, commit of the
+    kept tokens): the second token follows the target's exact marginal; an accept-everything verifier fails
+    the same check."""
+    import specdec.engine.sampler as sampler
+
+    if broken:
+        monkeypatch.setattr(sampler, "accept", _accept_all)
+    path, _ = hybrid
+    prompt = [5, 17, 30, 2, 9, 41]
+    llm = LLM(path, device="cpu", kv_cache_tokens=16384, block_size=4, max_num_seqs=256,
+              speculator=SpecConfig("draft", model=str(drafter), num_draft_tokens=2, adaptive=False))
+    outs = llm.generate([prompt] * 3000, SamplingParams(max_tokens=3, temperature=1.0, ignore_eos=True))
+    marginal = _token2_marginal(path, prompt)
+    counts = np.bincount([o.token_ids[1] for o in outs], minlength=len(marginal))
+    p = chi_square_p(counts, marginal)
+    if broken:
+        assert p < 1e-6
+    else:
+        accepted = sum(o.num_accepted for o in outs)
+        assert accepted > 200 and sum(o.num_drafted for o in outs) - accepted > 200, accepted  # power
+        assert p > 1e-3
