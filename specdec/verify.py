@@ -39,7 +39,7 @@ import torch.nn.functional as F
 
 from specdec.transfer import upload
 
-__all__ = ["accept", "acceptance_rate", "expected_accepted_tokens", "sample"]
+__all__ = ["accept", "acceptance_rate", "expected_accepted_tokens"]
 
 # A residual max(p - q, 0) whose mass is at most this fraction of p's mass is
 # treated as numerically empty and replaced by p.  The distribution error this
@@ -85,18 +85,6 @@ def accept(
     )  # [B, V]
     token = _exponential_race(dist, u_race.to(dtype))  # [B]
     return _assemble(draft_ids, n_accepted, token)
-
-
-def sample(probs: torch.Tensor, generators: Generators = None, uniforms: torch.Tensor | None = None) -> torch.Tensor:
-    """[N] one draw per row of unnormalised probs [N, V], each row from its own generator (if given), or from
-    the given uniforms [N, V] in [0, 1) (drawn ahead, e.g. for a whole draft chain at once).
-
-    The same exponential race as the verifier's final token, fed by V uniforms per row; no host sync."""
-    rows, vocab = probs.shape
-    if uniforms is None:
-        no_drafts = torch.zeros(rows, dtype=torch.long)  # on the host: counts read without a sync
-        _, uniforms = _draw_uniforms(generators, no_drafts, rows, 0, vocab, probs.device)  # [rows, V]
-    return _exponential_race(probs.float(), uniforms)
 
 
 def expected_accepted_tokens(alpha: float, k: int) -> float:

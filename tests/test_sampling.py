@@ -78,16 +78,25 @@ def test_processed_probs_rows_equal_row_by_row_processing():
         assert torch.allclose(rows[i], processed_probs(logits[i:i + 1], p)[0])
 
 
-def test_row_sampler_follows_each_rows_distribution_and_seeds_reproduce():
-    from specdec.verify import sample
+def test_drafters_row_sampler_follows_each_rows_distribution_and_seeds_reproduce():
+    from specdec.speculate.draw import draw_drafts
 
     probs = torch.tensor([[0.5, 0.3, 0.2, 0.0], [0.0, 0.1, 0.1, 0.8]])
+    t1 = SamplingParams(temperature=1.0)
+
+    def sample(p, generators=None, draws=1):  # the drafters' draws from p (the logits log p at T = 1)
+        rows = p.shape[0]
+        return draw_drafts(p.log(), [t1] * rows, generators or [None] * rows, p.shape[1], draws=draws)[0]
+
     draws = sample(probs.repeat(20000, 1)).view(20000, 2)
     for row in range(2):
         counts = np.bincount(draws[:, row].numpy(), minlength=4)
         assert chi_square_p(counts, probs[row].numpy()) > 1e-3
     wrong = np.bincount(draws[:, 0].numpy(), minlength=4)  # negative control: row 0's draws against row 1
     assert chi_square_p(wrong, probs[1].numpy()) < 1e-6
+    several = sample(probs[1:].repeat(20000, 1), draws=3)  # [20000, 3]: a tree's candidates, each a draw of p
+    for column in range(3):
+        assert chi_square_p(np.bincount(several[:, column].numpy(), minlength=4), probs[1].numpy()) > 1e-3
     seeded = [torch.Generator().manual_seed(s) for s in (5, 6)]
     again = [torch.Generator().manual_seed(s) for s in (5, 6)]
     first = torch.stack([sample(probs, seeded) for _ in range(50)])

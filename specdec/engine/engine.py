@@ -12,7 +12,7 @@ from specdec.engine.admission import AdmissionBatcher
 from specdec.engine.kv_cache import BlockManager, KVCache, num_blocks_for
 from specdec.engine.request import Request, TokenLogprobs
 from specdec.engine.runner import ModelRunner
-from specdec.engine.sampler import draft_depth, is_tree, sample_tokens
+from specdec.engine.sampler import sample_tokens
 from specdec.engine.scheduler import ScheduledSeq, Scheduler
 from specdec.engine.state_slots import StateSlots
 from specdec.errors import ConfigError, InvalidRequestError
@@ -267,7 +267,7 @@ class Engine:
         if self.states is not None:  # a verified sequence's state advances by exactly the tokens it kept
             self.states.commit([s.num_new - s.num_drafts + len(v.tokens) - 1 for s, v in zip(seqs, verdicts)])
         for i, (seq, rows, verdict) in enumerate(zip(seqs, logits, verdicts)):
-            if is_tree(seq):  # the accepted path's keys and features go where a chain's would be
+            if seq.tree_parents is not None:  # the accepted path's keys and features go where a chain's would be
                 self.runner.keep_path(i, seq, starts[i], verdict.rows)
             if self._commit(seq, rows, verdict):
                 finished.append(seq.request)
@@ -333,8 +333,6 @@ class Engine:
         return count
 
     def _on_finished(self, req: Request) -> None:
-        if self.states is not None:
-            self.states.release(req)
         if self.speculation is not None:
             self.speculation.release(req)
 
@@ -358,7 +356,7 @@ class Engine:
             req.accepted_per_position[j] += 1
         self._count_speculation(seq.num_drafts, accepted)
         if self.speculation is not None:
-            self.speculation.verified(req, draft_depth(seq), accepted)
+            self.speculation.verified(req, seq.draft_depth, accepted)
         if req.params.logprobs is not None:
             self._record_logprobs(req, rows[upload(verdict.rows, rows.device)], tokens)
         for token in tokens:

@@ -66,7 +66,7 @@ class ModelRunner:
             counts.append(n_logits)
         self.feature_rows = starts[:-1]
         tree = None
-        if any(tree_parents(s) is not None for s in seqs):
+        if any(s.tree_parents is not None for s in seqs):
             tree = self._long(tree_mask_rows(seqs, max(s.num_new for s in seqs))).bool()  # [T, max_q]
         batch = self._batch(seqs, starts, ctx, slots, tree)
         if self.states is not None:
@@ -148,16 +148,10 @@ def flat_attention_batch(block_ids: list[list[int]], starts: list[int], ctx: lis
     ).prepare(block_size)
 
 
-def tree_parents(seq: ScheduledSeq) -> list[int] | None:
-    """The parents of a sequence's draft tree this step (specdec/draft_tree.py), or None for a chain."""
-    parents = seq.request.draft_parents
-    return parents[:seq.num_drafts] if parents is not None and seq.num_drafts else None
-
-
 def fed_offsets(seq: ScheduledSeq) -> list[int]:
     """Each fed token's position after the first fed one: 0, 1, 2, ... for a chain; a tree's nodes sit at the
     root's position plus their depth."""
-    parents = tree_parents(seq)
+    parents = seq.tree_parents
     committed = seq.num_new - seq.num_drafts
     if parents is None:
         return list(range(seq.num_new))
@@ -170,7 +164,7 @@ def tree_mask_rows(seqs: list[ScheduledSeq], width: int) -> list[list[int]]:
     ancestors and itself."""
     out = []
     for seq in seqs:
-        committed, parents = seq.num_new - seq.num_drafts, tree_parents(seq)
+        committed, parents = seq.num_new - seq.num_drafts, seq.tree_parents
         rows = [[int(j <= r) for j in range(width)] for r in range(committed if parents else seq.num_new)]
         if parents is not None:
             for mask in ancestor_mask(parents)[1:]:  # node rows: committed context, then the tree's columns

@@ -12,7 +12,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from specdec.draft_tree import depths
 from specdec.engine.scheduler import ScheduledSeq
 from specdec.sampling import processed_probs_rows
 from specdec.transfer import upload
@@ -32,19 +31,10 @@ def greedy_accept(drafts: list[int], best: list[int]) -> list[int]:
 def sample_tokens(seqs: list[ScheduledSeq], logits: list[torch.Tensor]) -> list[Verdict]:
     """For each sequence, the tokens it emits this step (accepted drafts + one; none for a sequence that does
     not sample) and the logits row that predicted each."""
-    trees = [i for i, s in enumerate(seqs) if s.samples and is_tree(s)]
+    trees = [i for i, s in enumerate(seqs) if s.samples and s.tree_parents is not None]
     verdicts = dict(zip(trees, _verify_trees([seqs[i] for i in trees], [logits[i] for i in trees])))
     chains = _sample_chains([s if i not in verdicts else None for i, s in enumerate(seqs)], logits)
     return [verdicts.get(i) or Verdict(tokens, list(range(len(tokens)))) for i, tokens in enumerate(chains)]
-
-
-def is_tree(seq: ScheduledSeq) -> bool:
-    return seq.num_drafts > 0 and seq.request.draft_parents is not None
-
-
-def draft_depth(seq: ScheduledSeq) -> int:
-    """How many drafts deep the step verifies the sequence: its drafts for a chain, its deepest node for a tree."""
-    return max(depths(seq.request.draft_parents[:seq.num_drafts])) if is_tree(seq) else seq.num_drafts
 
 
 def _verify_trees(seqs: list[ScheduledSeq], logits: list[torch.Tensor]) -> list[Verdict]:
@@ -52,8 +42,7 @@ def _verify_trees(seqs: list[ScheduledSeq], logits: list[torch.Tensor]) -> list[
         return []
     probs = processed_probs_rows(torch.cat(logits), [s.request.params for s, rows in zip(seqs, logits)
                                                      for _ in range(rows.shape[0])])  # [sum(N_b + 1), V]
-    return accept_tree([s.request.draft_token_ids[:s.num_drafts] for s in seqs],
-                       [s.request.draft_parents[:s.num_drafts] for s in seqs], probs,
+    return accept_tree([s.request.draft_token_ids[:s.num_drafts] for s in seqs], [s.tree_parents for s in seqs], probs,
                        [s.request.generator for s in seqs], [s.request.draft_probs for s in seqs])
 
 

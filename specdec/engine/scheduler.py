@@ -25,6 +25,7 @@ import dataclasses
 import itertools
 from collections.abc import Iterable
 
+from specdec.draft_tree import depths
 from specdec.engine.kv_cache import BlockManager
 from specdec.engine.request import Request, Status
 
@@ -35,6 +36,18 @@ class ScheduledSeq:
     num_new: int  # tokens fed this step, drafts included
     num_drafts: int  # drafts among them (the last num_drafts tokens)
     samples: bool  # the step reaches the sequence's end, so new tokens are sampled
+
+    @property
+    def tree_parents(self) -> list[int] | None:
+        """The parents of the drafts this step verifies when they form a tree (specdec/draft_tree.py), else None."""
+        parents = self.request.draft_parents
+        return parents[:self.num_drafts] if parents is not None and self.num_drafts else None
+
+    @property
+    def draft_depth(self) -> int:
+        """How many drafts deep the step verifies: the drafts of a chain, the deepest node of a tree."""
+        parents = self.tree_parents
+        return max(depths(parents)) if parents is not None else self.num_drafts
 
 
 class Scheduler:
@@ -157,9 +170,7 @@ class Scheduler:
                 continue
             victim = self.running[-1]
             if victim is req and len(self.running) == 1:  # alone and still too big: the cache is full
-                self.running.remove(req)
-                self.blocks.release(req.block_ids)
-                req.block_ids = []
+                self.finish(req)
                 req.finish("length")
                 self.out_of_cache.append(req)
                 return False

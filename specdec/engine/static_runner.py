@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from specdec.engine.kv_cache import KVCache
-from specdec.engine.runner import fed_offsets, tree_mask_rows, tree_parents
+from specdec.engine.runner import fed_offsets, tree_mask_rows
 from specdec.engine.scheduler import ScheduledSeq
 from specdec.models.attention import AttentionBatch
 from specdec.models.transformer import CausalLM
@@ -184,7 +184,7 @@ class StaticRunner:
             start, committed = req.num_computed, seq.num_new - seq.num_drafts
             ids = req.token_ids_between(start, start + committed) + req.draft_token_ids[:seq.num_drafts]
             rows.append((req.block_ids, start, ids))
-            trees.append(seq if tree_parents(seq) is not None else None)
+            trees.append(seq if seq.tree_parents is not None else None)
         if any(trees) and not self.tree_masks:
             raise RuntimeError("a draft tree reached a runner without tree masks: enable_tree_masks() first")
         self._stage(rows, q, batch, context, trees=trees)

@@ -158,10 +158,7 @@ class Eagle3Speculator(Speculator):
                                            [(r.block_ids, r.num_tokens - 2 + i, 1) for r in reqs])
             self.stats["draft_forwards"] += 1
             drawn.append(self._draw(reqs, states, logits, uniforms, i))
-        if self.tree_width > 1:
-            self._hand_out_trees(active, drawn)
-        else:
-            self._hand_out(active, drawn)
+        self._hand_out(active, drawn)
 
     def _chain_uniforms(self, active: list[tuple[Request, int]]) -> torch.Tensor | None:
         """[B, k_max, m] the uniforms of every draw of the chain (m = tree_width draws a depth, one uniform each),
@@ -178,32 +175,19 @@ class Eagle3Speculator(Speculator):
         return out
 
     def _hand_out(self, active, drawn) -> None:
-        """Read every forward's drafts back at once (the one host sync) and give each request its chain."""
-        ids = torch.cat([tokens for tokens, _ in drawn]).tolist()  # forward i's live rows, forward by forward
-        chains: list[list[int]] = [[] for _ in active]
-        at = 0
-        for tokens, _ in drawn:
-            for row in range(tokens.shape[0]):
-                chains[row].append(ids[at + row])
-            at += tokens.shape[0]
-        probs = self._q_rows(active, drawn)
-        for row, (req, _) in enumerate(active):
-            req.draft_token_ids = chains[row]
-            if not req.params.greedy:
-                req.draft_probs = next(probs)  # [k, V_target]
-
-    def _hand_out_trees(self, active, drawn) -> None:
-        """Read every depth's candidates back at once and give each request its tree: the spine (each depth's
-        first candidate), then each depth's other candidates (spine_and_siblings' layout); a sampled request
-        also gets each depth's distribution [k, V_target] (row r: its children's, r = 0 the root's)."""
-        tops = [top.tolist() for top in torch.cat([top for top, _ in drawn]).split([t.shape[0] for t, _ in drawn])]
+        """Read every forward's drafts back at once (the one host sync) and give each request its chain, or its
+        tree: the spine (each depth's first candidate), then each depth's other candidates (spine_and_siblings'
+        layout); a sampled request also gets each depth's q [k, V_target] (for a tree, row r: the distribution
+        of the children of fed row r, 0 the root's)."""
+        counts = [tokens.shape[0] for tokens, _ in drawn]  # forward i's live rows
+        tops = [t.tolist() for t in torch.cat([t.view(t.shape[0], -1) for t, _ in drawn]).split(counts)]
         probs = self._q_rows(active, drawn)
         for row, (req, k) in enumerate(active):
-            spine = [tops[depth][row][0] for depth in range(k)]
-            leaves = [t for depth in range(k) for t in tops[depth][row][1:]]
-            req.draft_token_ids, req.draft_parents = spine + leaves, spine_and_siblings(k, self.tree_width)
+            req.draft_token_ids = [tops[d][row][0] for d in range(k)] + [t for d in range(k) for t in tops[d][row][1:]]
+            if self.tree_width > 1:
+                req.draft_parents = spine_and_siblings(k, self.tree_width)
             if not req.params.greedy:
-                req.draft_probs = next(probs)
+                req.draft_probs = next(probs)  # [k, V_target]
 
     def _q_rows(self, active, drawn):
         """Every sampled request's q rows [k, V_target] in turn, mapped into the target vocabulary in one go."""

@@ -14,7 +14,6 @@ from __future__ import annotations
 import time
 
 from specdec.engine.request import Request
-from specdec.engine.sampler import draft_depth
 from specdec.engine.scheduler import ScheduledSeq, Scheduler
 from specdec.speculate.base import Speculator
 
@@ -67,7 +66,7 @@ class Speculation:
         draft depth; 0 where the scheduler cut them all or left the request out)."""
         if not self.drafting:
             return
-        depth = {s.request.request_id: draft_depth(s) for s in seqs}
+        depth = {s.request.request_id: s.draft_depth for s in seqs}
         self.controller.drafted([r.request_id for r in self.drafting],
                                 [depth.get(r.request_id, 0) for r in self.drafting])
         self.drafting = []
