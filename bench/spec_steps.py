@@ -153,7 +153,27 @@ def profile_phases(llm: LLM, prompts: list[str], params: SamplingParams, steps: 
         return [[e.key[:80], round(time_of(e) * ms_per_step, 4), e.count // max(1, done)] for e in ranked]
     return {"steps": done, "step_ms": 1e3 * wall / max(1, done), "device_busy_ms": kernels * ms_per_step,
             "phases": phases, "top_device": top(lambda e: e.self_device_time_total),
-            "top_host": top(lambda e: e.self_cpu_time_total)}  # [op, ms per step, calls per step]
+            "top_host": top(lambda e: e.self_cpu_time_total),  # [op, ms per step, calls per step]
+            "phase_kernels": phase_kernels(prof.events(), labels, ms_per_step, done)}
+
+
+def phase_kernels(events, labels: set[str], ms_per_step: float, steps: int, top: int = 8) -> dict:
+    """Per phase, its most expensive kernels: [kernel, device ms per step, launches per step], graph replays'
+    kernels included (the profiler files them under the cudaGraphLaunch that replayed them)."""
+    out = {}
+    for label in labels:
+        totals, counts = collections.Counter(), collections.Counter()
+        stack = [e for e in events if e.name == label]
+        while stack:
+            event = stack.pop()
+            for kernel in event.kernels:
+                totals[kernel.name[:80]] += kernel.duration
+                counts[kernel.name[:80]] += 1
+            stack.extend(event.cpu_children)
+        if totals:
+            out[label] = [[name, round(us * ms_per_step, 4), counts[name] // max(1, steps)]
+                          for name, us in totals.most_common(top)]
+    return out
 
 
 def measure(name: str, make, prompts: list[str], tokens: int, device: torch.device,

@@ -141,6 +141,19 @@ def test_one_outlier_reading_moves_an_arm_half_way():
     assert estimate.arms[0][0].time_ratio == pytest.approx(1.0, abs=0.02)
 
 
+def test_a_trusted_arm_shrugs_off_one_slow_step_but_follows_a_lasting_change():
+    estimate = KController(4, FLAT, None).estimate
+    for _ in range(10):
+        estimate.observe(1, 4, 1.0, 1.0, 1.0)
+    estimate.observe(1, 4, 1.0, 1.0, 1.8)  # one step at 1.8x (a collection pause)
+    assert estimate.arms[0][4].time_ratio == pytest.approx(1.0625)  # EMA 0.25 of the clipped 1.25
+    for _ in range(40):  # the drafter really became 2x slower
+        estimate.observe(1, 4, 1.0, 1.0, 2.0)
+    assert estimate.arms[0][4].time_ratio == pytest.approx(2.0, rel=0.02)
+    estimate.observe(1, 4, 1.0, 1.0, 10.0, probe=True)  # a probe's reading is not clipped (it must flip verdicts)
+    assert estimate.arms[0][4].time_ratio == pytest.approx(6.0, rel=0.02)
+
+
 def test_an_unmeasured_arm_takes_its_neighbours_corrections():
     """Linearly in k between measured arms (plain decoding at the prior's 1 until measured), the nearest's
     beyond them: a drafter's time grows with k."""

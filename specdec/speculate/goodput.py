@@ -33,7 +33,10 @@ class GoodputEstimate:
 
     An arm's first reading is averaged with its prior, which counts as one reading, the next ones enter
     with weight 1/(n + 1) until that falls to EMA: one outlier (the first step at a new shape) moves an arm
-    half way, not all the way.  A probe's readings (the arm is not the one served) weigh PROBE_WEIGHT: such
+    half way, not all the way.  Once a served arm has TRUSTED readings, each new one enters clipped to within
+    CLIP of the arm's estimate: a single slow step (a collection pause, a host hiccup: 17-25 ms steps among
+    10 ms ones at batch 1 on the 8B twin) moves it by EMA x 25 % at most, not EMA x 70 %, while a lasting
+    change still passes, by up to 6 % a step.  A probe's readings (the arm is not the one served) weigh PROBE_WEIGHT: such
     an arm sees few steps, and one probe into a changed reality should be enough to flip a verdict.  An arm
     not yet measured takes its corrections from the bucket's measured arms, linearly in k between them and
     the nearest beyond them, plain decoding standing at the prior's 1 until measured: a drafter's time grows
@@ -50,6 +53,8 @@ class GoodputEstimate:
 
     EMA = 0.25
     PROBE_WEIGHT = 0.5
+    TRUSTED = 4  # readings after which a served arm's step times enter clipped to within CLIP of its estimate
+    CLIP = 1.25
 
     def __init__(self, costs: CalibratedCosts, ks: list[int]):
         self.costs = costs
@@ -85,7 +90,10 @@ class GoodputEstimate:
             arm = self.arms.setdefault(b, {})[k] = Arm(0, ratio[i], share[i])
         arm.readings += 1
         weight = max(self.PROBE_WEIGHT if probe else self.EMA, 1 / (arm.readings + 1))
-        arm.time_ratio += weight * (seconds / self.costs.predict(batch, [k])[0] - arm.time_ratio)
+        ratio = seconds / self.costs.predict(batch, [k])[0]
+        if not probe and arm.readings > self.TRUSTED:
+            ratio = min(max(ratio, arm.time_ratio / self.CLIP), arm.time_ratio * self.CLIP)
+        arm.time_ratio += weight * (ratio - arm.time_ratio)
         arm.token_share += weight * (tokens / full_tokens - arm.token_share)
 
     def readings(self, batch: int, k: int) -> int:
