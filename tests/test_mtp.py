@@ -168,6 +168,15 @@ def test_greedy_equals_plain_under_preemption_and_chunked_prefill(target):
     assert llm.engine.scheduler.num_preemptions > 0
 
 
+def test_adaptive_k_calibrates_on_the_hybrid_target(target):
+    """Start-up calibration times scratch steps of many sequences: each takes a recurrent-state slot, which it
+    gives back (they outnumbered the slots before), and the output stays plain decoding's."""
+    path, expected = target
+    llm = LLM(path, device="cpu", kv_cache_tokens=2048, block_size=4, speculator=SpecConfig("mtp", num_draft_tokens=2))
+    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == expected
+    assert sorted(llm.engine.states.free) == list(range(llm.engine.config.max_num_seqs + 1))  # every slot back
+
+
 def test_the_nested_sharded_layout_loads_its_top_level_mtp_weights(tmp_path):
     """Qwen3_5ForConditionalGeneration keeps the text model under model.language_model.* and the head at mtp.*;
     here sharded, the head in a shard of its own."""

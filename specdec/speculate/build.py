@@ -241,6 +241,7 @@ def _scratch_forward(runner: ModelRunner, blocks: BlockManager, count: int, per_
     """One forward of `count` scratch sequences of `per_seq` new tokens each, the last `drafts` of them drafts
     (a verify step's shape: 1 + drafts rows scored), their blocks released after."""
     held = []
+    states = getattr(runner, "states", None)  # a hybrid model's recurrent-state slots (a head's runner has none)
     try:
         for _ in range(count):
             req = Request([1] * (per_seq - drafts), SamplingParams(max_tokens=1), runner.device)
@@ -251,3 +252,5 @@ def _scratch_forward(runner: ModelRunner, blocks: BlockManager, count: int, per_
     finally:
         for req in held:
             blocks.release(req.block_ids)
+            if states is not None:  # the slot the forward took
+                states.release(req)
