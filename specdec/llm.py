@@ -90,7 +90,8 @@ class LLM:
             from specdec.speculate.build import shared_kv_bytes_per_token
 
             engine_options.setdefault("shared_kv_bytes_per_token",
-                                      shared_kv_bytes_per_token(speculator, self.model.lm_head.weight.dtype))
+                                      shared_kv_bytes_per_token(speculator, self.model.lm_head.weight.dtype,
+                                                                self.model.config))
         config = EngineConfig(kv_cache_tokens=kv_cache_tokens, **engine_options)
         if self.tensor_parallel is not None:  # equal KV caches, so every rank schedules alike
             from specdec.parallel.tensor_parallel import agreed_kv_cache_tokens
@@ -102,7 +103,7 @@ class LLM:
         if speculator is not None:
             from specdec.speculate.build import build_speculator
 
-            if self.tensor_parallel is not None and speculator.method in ("remote", "eagle3"):
+            if self.tensor_parallel is not None and speculator.method in ("remote", "eagle3", "mtp"):
                 raise ConfigError(f"the {speculator.method} speculator does not run under tensor parallelism yet: "
                                   "use draft or ngram")
 

@@ -65,3 +65,22 @@ def save_char_tokenizer(path: Path, vocab_size: int) -> None:
         "chat_template": "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
                          "{% if add_generation_prompt %}<assistant>{% endif %}",
     }))
+
+
+def add_mtp_weights(path: Path, state: dict[str, torch.Tensor]) -> Path:
+    """Write mtp.* tensors into a saved checkpoint, as published Qwen3.5 checkpoints carry them (transformers
+    neither makes nor saves them): into model.safetensors, or for a sharded checkpoint into a shard of their
+    own that the index names."""
+    from safetensors.torch import load_file, save_file
+
+    path = Path(path)
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        save_file(state, str(path / "model-mtp.safetensors"), metadata={"format": "pt"})
+        raw = json.loads(index.read_text())
+        raw["weight_map"].update({name: "model-mtp.safetensors" for name in state})
+        index.write_text(json.dumps(raw, indent=2))
+        return path
+    weights = load_file(str(path / "model.safetensors"))
+    save_file(weights | state, str(path / "model.safetensors"), metadata={"format": "pt"})
+    return path

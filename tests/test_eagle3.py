@@ -142,18 +142,19 @@ def test_the_head_reads_the_verify_forward_and_adds_no_target_forward(qwen3_dir,
 
 
 def test_head_features_are_the_targets_hidden_states(qwen3_dir):
-    """The captured features equal transformers' hidden_states at the requested layers."""
+    """The captured features equal transformers' hidden_states at the requested layers (the last id, the number
+    of layers, is the final-normed state an MTP head reads)."""
     import transformers
 
     target = load_model(qwen3_dir, "cpu", torch.float32)
     llm = LLM(qwen3_dir, device="cpu", kv_cache_tokens=1024, block_size=4)
-    llm.model.capture_features((0, 1, 1), 64)
+    llm.model.capture_features((0, 1, 1, 2), 64)
     ids = mixed_prompts(1)[0]
     llm.engine.all_logits(ids)
     hf = transformers.AutoModelForCausalLM.from_pretrained(qwen3_dir, dtype=torch.float32).eval()
     with torch.no_grad():
         states = hf(torch.tensor([ids]), output_hidden_states=True).hidden_states
-    want = torch.cat([states[0][0], states[1][0], states[1][0]], -1)
+    want = torch.cat([states[0][0], states[1][0], states[1][0], states[2][0]], -1)
     torch.testing.assert_close(llm.model.features[:len(ids)], want, atol=1e-4, rtol=1e-4)
     del target
 

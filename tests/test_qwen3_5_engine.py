@@ -108,15 +108,22 @@ def test_sampled_speculation_on_a_hybrid_follows_the_target(hybrid, drafter, bro
     """A drafter's sampled drafts verified at temperature 1 on the hybrid target (deferred state, commit of the
     kept tokens): the second token follows the target's exact marginal; an accept-everything verifier fails
     the same check."""
+    path, _ = hybrid
+    spec = SpecConfig("draft", model=str(drafter), num_draft_tokens=2, adaptive=False)
+    check_sampled_token2(path, spec, 3000, broken, monkeypatch)
+
+
+def check_sampled_token2(path, spec: SpecConfig, n: int, broken: bool, monkeypatch) -> None:
+    """n requests of one prompt sampled at temperature 1 with speculator spec on the hybrid target at path: the
+    second token follows the target's exact marginal, with enough drafts kept and rejected to tell; with broken,
+    an accept-everything verifier, the same check fails."""
     import specdec.engine.sampler as sampler
 
     if broken:
         monkeypatch.setattr(sampler, "accept", _accept_all)
-    path, _ = hybrid
     prompt = [5, 17, 30, 2, 9, 41]
-    llm = LLM(path, device="cpu", kv_cache_tokens=16384, block_size=4, max_num_seqs=256,
-              speculator=SpecConfig("draft", model=str(drafter), num_draft_tokens=2, adaptive=False))
-    outs = llm.generate([prompt] * 3000, SamplingParams(max_tokens=3, temperature=1.0, ignore_eos=True))
+    llm = LLM(path, device="cpu", kv_cache_tokens=16384, block_size=4, max_num_seqs=256, speculator=spec)
+    outs = llm.generate([prompt] * n, SamplingParams(max_tokens=3, temperature=1.0, ignore_eos=True))
     marginal = _token2_marginal(path, prompt)
     counts = np.bincount([o.token_ids[1] for o in outs], minlength=len(marginal))
     p = chi_square_p(counts, marginal)

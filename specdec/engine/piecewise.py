@@ -79,6 +79,7 @@ class PiecewiseRunner:
                                                      kv_cache))
             self._run(n, i + 1)
         hidden = self.h[:tokens]
+        self.model.keep_feature(len(kv_caches), hidden)  # the final feature
         self.forwards += 1
         return self.model.lm_head(hidden if logits_index is None else hidden[logits_index])
 

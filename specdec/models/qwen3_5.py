@@ -128,6 +128,21 @@ class HybridDecoderLayer(nn.Module):
         self.post_attention_layernorm = ZeroCentredRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size)
 
+    def forward(self, x: torch.Tensor, batch: AttentionBatch, rotary: PartialRotary | None = None,
+                cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None,
+                kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None,
+                groups: list[SequenceGroup] = ()) -> torch.Tensor:
+        """The residual stream x [T, hidden] -> after this layer [T, hidden].  A linear layer reads groups and
+        batch.states; a full-attention one rotary, cos_sin and its kv_cache (the target's and the MTP head's
+        layers alike)."""
+        h = self.input_layernorm(x)
+        if self.is_linear:
+            mixed = self.linear_attn(h, groups, batch.states)
+        else:
+            mixed = self.self_attn(h, rotary, cos_sin, batch, kv_cache)
+        x, h = self.post_attention_layernorm.add_forward(x, mixed)
+        return x + self.mlp(h)
+
 
 class HybridBody(nn.Module):
     def __init__(self, config: ModelConfig):
@@ -181,14 +196,10 @@ class HybridCausalLM(nn.Module):
         caches = iter(kv_caches)
         for i, layer in enumerate(self.model.layers):
             self.keep_feature(i, x)
-            h = layer.input_layernorm(x)
-            if layer.is_linear:
-                mixed = layer.linear_attn(h, groups, batch.states)
-            else:
-                mixed = layer.self_attn(h, self.rotary, cos_sin, batch, next(caches))
-            x, h = layer.post_attention_layernorm.add_forward(x, mixed)
-            x = x + layer.mlp(h)
-        return self.model.norm(x)
+            x = layer(x, batch, self.rotary, cos_sin, None if layer.is_linear else next(caches), groups)
+        hidden = self.model.norm(x)
+        self.keep_feature(len(self.model.layers), hidden)  # the final feature: what the LM head reads
+        return hidden
 
     def _check_inputs(self, batch: AttentionBatch, kv_caches: KVCaches) -> None:
         want = self.config.num_attention_layers

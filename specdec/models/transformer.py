@@ -103,11 +103,13 @@ class CausalLM(nn.Module):
         """From now on every forward also writes, for each fed token, the residual stream entering each of
         these layers into self.features [rows, len(layer_ids) * hidden] (row i: the step's token i, in the
         order the forward fed them).  Layer id j counts as transformers' hidden_states[j] and vLLM's
-        auxiliary layer ids do: 0 is the embedding, j the output of layer j - 1.  A CUDA graph captured after
-        this call writes them too; the buffer holds max_rows tokens (grown by eager steps that feed more)."""
-        bad = [j for j in layer_ids if not 0 <= j < self.config.num_hidden_layers]
+        auxiliary layer ids do: 0 is the embedding, j the output of layer j - 1, and the last, j =
+        num_hidden_layers, the final-normed state the LM head reads (as transformers' hidden_states[-1]: what
+        an MTP head reads).  A CUDA graph captured after this call writes them too; the buffer holds max_rows
+        tokens (grown by eager steps that feed more)."""
+        bad = [j for j in layer_ids if not 0 <= j <= self.config.num_hidden_layers]
         if bad:
-            raise ValueError(f"feature layer ids {bad} out of range [0, {self.config.num_hidden_layers})")
+            raise ValueError(f"feature layer ids {bad} out of range [0, {self.config.num_hidden_layers}]")
         weight = self.model.embed_tokens.weight
         self._feature_columns = {}
         for column, j in enumerate(layer_ids):
@@ -116,7 +118,8 @@ class CausalLM(nn.Module):
                                     device=weight.device)
 
     def keep_feature(self, layer: int, x: torch.Tensor) -> None:
-        """x [T, hidden], the residual stream entering `layer`: copied into self.features if it is asked for."""
+        """x [T, hidden], the residual stream entering `layer` (at num_hidden_layers: the final-normed state):
+        copied into self.features if it is asked for."""
         columns = self._feature_columns.get(layer)
         if columns is None:
             return
@@ -150,6 +153,7 @@ class CausalLM(nn.Module):
             self.keep_feature(i, x)
             attn = self.model.layers[i].self_attn
             x, h = self.post_attention_piece(i, x, attn.attend(*attn.heads(h, cos_sin), batch, kv_cache))
+        self.keep_feature(len(kv_caches), h)  # the final feature
         return h
 
     def embed_piece(self, input_ids: torch.Tensor, positions: torch.Tensor):

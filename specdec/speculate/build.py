@@ -14,6 +14,7 @@ from specdec.engine.runner import ModelRunner
 from specdec.engine.scheduler import ScheduledSeq
 from specdec.engine.request import Request
 from specdec.errors import ConfigError, ModelLoadError
+from specdec.models.config import ModelConfig
 from specdec.models.loader import load_model
 from specdec.sampling import SamplingParams
 from specdec.speculate.base import Speculator
@@ -33,6 +34,8 @@ def build_speculator(config: SpecConfig, llm) -> tuple[Speculator, KController]:
         spec = _draft_speculator(config, llm)
     elif config.method == "eagle3":
         spec = _eagle3_speculator(config, llm)
+    elif config.method == "mtp":
+        spec = _mtp_speculator(llm)
     else:
         from specdec.speculate.remote import RemoteSpeculator
 
@@ -108,14 +111,20 @@ def _draft_speculator(config: SpecConfig, llm):
                                 cuda_graphs=llm.engine.config.cuda_graphs)
 
 
-def shared_kv_bytes_per_token(config: SpecConfig, dtype: torch.dtype) -> int:
+def shared_kv_bytes_per_token(config: SpecConfig, dtype: torch.dtype, target: ModelConfig | None = None) -> int:
     """KV bytes per token of the speculator's cache on the target's block tables, which the target's KV budget
-    must leave room for: an EAGLE-3 head's one-layer cache (of its twin's shape under draft_twin); 0 for the
-    others (their caches, if any, are their own) and when the head's config cannot be read (loading says why)."""
+    must leave room for: an EAGLE-3 head's one-layer cache (of its twin's shape under draft_twin), an MTP head's
+    one layer of the target's attention shape; 0 for the others (their caches, if any, are their own) and when
+    the head's config cannot be read (loading says why)."""
+    from specdec.engine.kv_cache import KVCache
+
+    if config.method == "mtp" and target is not None:
+        from specdec.models.mtp import MTPConfig
+
+        return KVCache.bytes_per_token(MTPConfig.for_target(target).layer, dtype)
     if config.method != "eagle3":
         return 0
     from specdec.assets import resolve_model
-    from specdec.engine.kv_cache import KVCache
     from specdec.models.eagle3 import Eagle3Config
 
     try:
@@ -163,6 +172,15 @@ def _eagle3_speculator(config: SpecConfig, llm):
                             max_batch=min(engine.config.max_num_seqs, engine.config.max_graph_batch),
                             max_context=engine.graph_context_bound, cuda_graphs=engine.config.cuda_graphs,
                             tree_width=config.tree_width)
+
+
+def _mtp_speculator(llm):
+    """The target checkpoint's own MTP head (refused, saying why, when it has none)."""
+    from specdec.models.mtp import load_mtp_head
+    from specdec.speculate.mtp import MTPSpeculator
+
+    head = load_mtp_head(llm.model_dir, llm.model, llm.device, llm.model.lm_head.weight.dtype)
+    return MTPSpeculator(head, llm.engine.blocks)
 
 
 def check_same_tokenizer(target_dir: Path, draft_dir: Path) -> None:
@@ -223,6 +241,7 @@ def _scratch_forward(runner: ModelRunner, blocks: BlockManager, count: int, per_
     """One forward of `count` scratch sequences of `per_seq` new tokens each, the last `drafts` of them drafts
     (a verify step's shape: 1 + drafts rows scored), their blocks released after."""
     held = []
+    states = getattr(runner, "states", None)  # a hybrid model's recurrent-state slots (a head's runner has none)
     try:
         for _ in range(count):
             req = Request([1] * (per_seq - drafts), SamplingParams(max_tokens=1), runner.device)
@@ -233,3 +252,5 @@ def _scratch_forward(runner: ModelRunner, blocks: BlockManager, count: int, per_
     finally:
         for req in held:
             blocks.release(req.block_ids)
+            if states is not None:  # the slot the forward took
+                states.release(req)

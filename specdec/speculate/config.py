@@ -7,16 +7,17 @@ import dataclasses
 
 from specdec.errors import ConfigError
 
-METHODS = ("draft", "eagle3", "ngram", "remote")
+METHODS = ("draft", "eagle3", "mtp", "ngram", "remote")
 MAX_DRAFT_TOKENS = 32
 MAX_TREE_WIDTH = 8
 
 
 @dataclasses.dataclass
 class SpecConfig:
-    method: str  # "draft" | "eagle3" | "ngram" | "remote"
+    method: str  # "draft" | "eagle3" | "mtp" | "ngram" | "remote"
     model: str | None = None  # draft: the drafter's model directory (or short name, e.g. ref-draft); eagle3:
-    #                           the head's directory in the published EAGLE-3 layout (docs/EAGLE3.md)
+    #                           the head's directory in the published EAGLE-3 layout (docs/EAGLE3.md); mtp: none
+    #                           (Qwen3.5's head comes from the target's own checkpoint)
     num_draft_tokens: int = 4  # k, the most drafts per request per step
     url: str | None = None  # remote: base URL of a /draft server
     adaptive: bool = True  # choose k per step from the cost model (0 = off when it does not pay)
@@ -42,6 +43,9 @@ class SpecConfig:
         if self.method == "eagle3" and not self.model:
             raise ConfigError("the eagle3 speculator needs a draft head: SpecConfig(method='eagle3', model=DIR)"
                               " / --draft-model DIR (a directory in the published EAGLE-3 layout)")
+        if self.method == "mtp" and self.model:
+            raise ConfigError("the mtp speculator reads Qwen3.5's multi-token-prediction head from the target's own "
+                              "checkpoint (its mtp.* weights): leave out model / --draft-model")
         if not isinstance(self.tree_width, int) or not 1 <= self.tree_width <= MAX_TREE_WIDTH:
             raise ConfigError(f"tree_width must be an integer in [1, {MAX_TREE_WIDTH}], got {self.tree_width!r}")
         if self.tree_width > 1 and self.method != "eagle3":

@@ -1,0 +1,161 @@
+"""Qwen3.5's multi-token-prediction (MTP) head: one extra decoder layer, shipped inside the target's checkpoint,
+that drafts the token after next from the target's final hidden state.
+
+The weights sit beside the text model under mtp.* (at the top level in both the Qwen3_5ForCausalLM and the
+nested Qwen3_5ForConditionalGeneration layout; loader.read_mtp_state reads them):
+
+    mtp.pre_fc_norm_embedding.weight [H]       zero-centred RMSNorm of the token embedding
+    mtp.pre_fc_norm_hidden.weight    [H]       zero-centred RMSNorm of the fed hidden state
+    mtp.fc.weight                    [H, 2 H]  [norm(embedding) ; norm(hidden)] -> H, no bias
+    mtp.layers.0.*                             one full-attention layer as the target's (gated attention, q/k
+                                               norms, partial rotary, MLP), names as model.layers.N.*
+    mtp.norm.weight                  [H]       zero-centred RMSNorm of the layer's output
+
+The target's embedding, LM head and rotary table are shared.  Position p of the head reads the embedding of
+token p + 1 beside the target's final-normed hidden state at p (the state the target's LM head read to predict
+token p + 1: capture layer id num_hidden_layers, models/transformer.py capture_features) and predicts token
+p + 2 from lm_head(its output).  Its output after mtp.norm is both what the LM head reads and the state it is fed
+at p + 1 while drafting on its own predictions (k > 1).  This is how vLLM (qwen3_5_mtp.py with its EAGLE-style
+proposer, method "mtp") and SGLang (qwen3_next_mtp.py) run these heads; docs/ARCHITECTURE.md has the details.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from specdec.errors import ConfigError, ModelLoadError
+from specdec.models.attention import AttentionBatch
+from specdec.models.config import FULL_ATTENTION, ModelConfig
+from specdec.models.qwen3_5 import HybridDecoderLayer, ZeroCentredRMSNorm
+
+PREFIX = "mtp."
+
+
+@dataclasses.dataclass(frozen=True)
+class MTPConfig:
+    layer: ModelConfig  # the head's decoder layer: the target's config cut to one full-attention layer
+    target_layers: int  # the target's num_hidden_layers: its final feature's layer id
+
+    @classmethod
+    def for_target(cls, target: ModelConfig) -> "MTPConfig":
+        layer = dataclasses.replace(target, num_hidden_layers=1, layer_types=(FULL_ATTENTION,))
+        return cls(layer=layer, target_layers=target.num_hidden_layers)
+
+
+class MTPHead(nn.Module):
+    """forward(ids [T], positions [T], states [T, H], batch, kv_cache) -> the head's states after mtp.norm [T, H];
+    logits(states [N, H]) -> [N, V] through the target's LM head.  The interface of models/eagle3.Eagle3Head, so
+    speculate/eagle3.py's chain machinery drives either."""
+
+    def __init__(self, config: MTPConfig):
+        super().__init__()
+        self.config = config
+        c = config.layer
+        self.fc = nn.Linear(2 * c.hidden_size, c.hidden_size, bias=False)
+        self.pre_fc_norm_embedding = ZeroCentredRMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.pre_fc_norm_hidden = ZeroCentredRMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.layers = nn.ModuleList([HybridDecoderLayer(c, 0)])
+        self.norm = ZeroCentredRMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.embed_tokens: nn.Embedding | None = None  # the target's, from share_target
+        self.lm_head: nn.Linear | None = None
+        self.rotary = None
+
+    def share_target(self, target) -> None:
+        """Use the target's (a HybridCausalLM) embedding, LM head and rotary table."""
+        self.embed_tokens, self.lm_head, self.rotary = target.model.embed_tokens, target.lm_head, target.rotary
+
+    def project(self, features: torch.Tensor) -> torch.Tensor:
+        """The target's final feature [T, H] is fed as it is (the head norms it itself)."""
+        return features
+
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, states: torch.Tensor, batch: AttentionBatch,
+                kv_cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        embeds = self.pre_fc_norm_embedding(self.embed_tokens(ids))  # [T, H]
+        x = self.fc(torch.cat([embeds, self.pre_fc_norm_hidden(states)], dim=-1))  # [T, 2H] -> [T, H]
+        x = self.layers[0](x, batch, self.rotary, self.rotary.lookup(positions, x.dtype), kv_cache)
+        return self.norm(x)
+
+    def logits(self, states: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(states)  # [N, V]: the states are normed already
+
+    def target_ids(self) -> None:
+        """None: the head drafts over the target's own vocabulary (no id map)."""
+        return None
+
+
+# ---------------------------------------------------------------------------------------------- loading
+
+# The config.json fields each weight's shape follows (for a refusal that says which one disagrees).
+_SHAPE_FIELDS = {
+    "fc.weight": "hidden_size",
+    "q_proj.weight": "num_attention_heads, head_dim, attn_output_gate, hidden_size",
+    "k_proj.weight": "num_key_value_heads, head_dim, hidden_size",
+    "v_proj.weight": "num_key_value_heads, head_dim, hidden_size",
+    "o_proj.weight": "num_attention_heads, head_dim, hidden_size",
+    "q_norm.weight": "head_dim",
+    "k_norm.weight": "head_dim",
+    "gate_proj.weight": "intermediate_size, hidden_size",
+    "up_proj.weight": "intermediate_size, hidden_size",
+    "down_proj.weight": "intermediate_size, hidden_size",
+}
+
+
+def load_mtp_head(model_dir: str | Path, target, device: torch.device, dtype: torch.dtype) -> MTPHead:
+    """The MTP head of the checkpoint `target` (a HybridCausalLM) was loaded from; refused, saying what to do,
+    when the target is not Qwen3.5 or its checkpoint has no mtp.* weights, and naming the tensor and the
+    config field when a weight's shape does not fit the target."""
+    from specdec.models.loader import read_mtp_state
+
+    if target.config.architecture != "qwen3_5":
+        raise ConfigError(f"the mtp speculator drafts with Qwen3.5's own multi-token-prediction head; {model_dir} is "
+                          f"a {target.config.architecture} model: use --speculator eagle3, draft or ngram")
+    stored = read_mtp_state(model_dir, device, dtype)
+    if not stored:
+        raise ConfigError(f"{model_dir} has no MTP weights (mtp.*): --speculator mtp needs a Qwen3.5 checkpoint "
+                          "that ships its multi-token-prediction head (the published ones do; some conversions "
+                          "drop it): use the original checkpoint, or another speculator (eagle3, draft, ngram)")
+    state = {name[len(PREFIX):]: tensor for name, tensor in stored.items()}
+    config = MTPConfig.for_target(target.config)
+    with torch.device("meta"):
+        head = MTPHead(config)
+    _check_weights(head, state, Path(model_dir))
+    head.load_state_dict(state, assign=True)
+    head.share_target(target)
+    return head.eval().requires_grad_(False)
+
+
+def _check_weights(head: MTPHead, state: dict, model_dir: Path) -> None:
+    expected = head.state_dict()
+    missing = sorted(PREFIX + k for k in expected.keys() - state.keys())
+    unexpected = sorted(PREFIX + k for k in state.keys() - expected.keys())
+    if missing:
+        raise ModelLoadError(f"{model_dir}: the MTP head lacks weights {missing[:5]}: the checkpoint is incomplete")
+    if unexpected:
+        raise ModelLoadError(f"{model_dir}: MTP weights specdec's head does not have: {unexpected[:5]} (it runs one "
+                             "dense full-attention layer, mtp_num_hidden_layers 1)")
+    for name, tensor in expected.items():
+        got = tuple(state[name].shape)
+        if got != tuple(tensor.shape):
+            fields = _SHAPE_FIELDS.get(".".join(name.split(".")[-2:]), "hidden_size")
+            raise ModelLoadError(f"{model_dir}: MTP weight {PREFIX}{name} has shape {got}, but config.json's "
+                                 f"{fields} imply {tuple(tensor.shape)}: the head does not fit this target")
+
+
+# ---------------------------------------------------------------------------------------------- tests, benchmarks
+
+
+@torch.no_grad()
+def random_mtp_state(target: ModelConfig, seed: int = 0, std: float = 0.1) -> dict[str, torch.Tensor]:
+    """Random mtp.* weights (float32, CPU) for a Qwen3.5 target: matrices N(0, std), norms N(0, 0.1) (scale ~1),
+    named as a checkpoint stores them."""
+    gen = torch.Generator().manual_seed(seed)
+    head = MTPHead(MTPConfig.for_target(target))
+    state = {}
+    for name, p in head.state_dict().items():
+        scale = 0.1 if name.endswith("norm.weight") else std
+        state[PREFIX + name] = torch.randn(p.shape, generator=gen) * scale
+    return state
