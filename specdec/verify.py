@@ -53,7 +53,8 @@ import torch.nn.functional as F
 
 from specdec.transfer import upload
 
-__all__ = ["Accepted", "DraftQ", "accept", "accept_ragged", "acceptance_rate", "expected_accepted_tokens"]
+__all__ = ["Accepted", "DraftQ", "accept", "accept_ragged", "acceptance_rate", "expected_accepted_tokens",
+           "in_target_vocab"]
 
 # A residual max(p - q, 0) whose mass is at most this fraction of p's mass is
 # treated as numerically empty and replaced by p.  The distribution error this
@@ -144,6 +145,18 @@ def accept(
     result = accept_ragged(target_probs.reshape(-1, vocab)[rows], draft_ids.cpu().reshape(-1)[slots], counts, q,
                            generators)
     return _assemble(upload(draft_ids, target_probs.device), *result)
+
+
+def in_target_vocab(q: torch.Tensor, target_vocab: int, target_ids: torch.Tensor | None) -> torch.Tensor:
+    """q [..., V_draft] -> [..., V_target]: each draft id's mass at its target id, 0 elsewhere (target_ids None:
+    draft id i is target id i)."""
+    if target_ids is None:
+        if q.shape[-1] == target_vocab:
+            return q
+        return F.pad(q, (0, target_vocab - q.shape[-1]))
+    out = q.new_zeros(*q.shape[:-1], target_vocab)
+    out[..., target_ids] = q
+    return out
 
 
 def expected_accepted_tokens(alpha: float, k: int) -> float:
