@@ -14,32 +14,16 @@ import torch
 import torch.nn.functional as F
 
 from specdec.transfer import upload
+from specdec.verify import _assemble, _check_shapes, _exponential_race, _num_drafts  # unchanged by the ragged layout
 
 _RESIDUAL_EPS = 1e-6
 
 Generators = Sequence[torch.Generator | None] | None
 
 
-def padded_accept(
-    draft_ids: torch.Tensor,
-    draft_probs: torch.Tensor | None,
-    target_probs: torch.Tensor,
-    generators: Generators = None,
-) -> torch.Tensor:
-    """Verify drafts against the target; return accepted + recovered/bonus tokens.
-
-    Args:
-        draft_ids: LongTensor [B, K]; row b holds its n_b drafts, then -1 padding.
-        draft_probs: [B, K, V] drafter distributions q, or None (deterministic
-            drafter: q is one-hot on each drafted token).
-        target_probs: [B, K+1, V] target distributions p (already processed by
-            temperature / top-k / top-p; greedy = one-hot of the argmax).
-        generators: None, or one torch.Generator (or None = global RNG) per row.
-
-    Returns:
-        LongTensor [B, K+1]: row b holds its a_b accepted drafts, then one
-        recovered or bonus token, then -1 padding.
-    """
+def padded_accept(draft_ids, draft_probs, target_probs, generators: Generators = None) -> torch.Tensor:
+    """specdec.verify.accept as it was: draft_ids [B, K] (-1 padding), draft_probs [B, K, V] or None, target_probs
+    [B, K+1, V] -> [B, K+1] accepted drafts, the recovered or bonus token, -1 padding."""
     batch, k = draft_ids.shape
     vocab = target_probs.shape[-1]
     _check_shapes(draft_ids, draft_probs, target_probs, generators)
@@ -85,33 +69,7 @@ def _row_index(counts: list[int], device) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 # --------------------------------------------------------------------------
-# helpers (as they were)
-
-
-def _check_shapes(draft_ids, draft_probs, target_probs, generators) -> None:
-    if draft_ids.dim() != 2:
-        raise ValueError(f"draft_ids must be [B, K], got {tuple(draft_ids.shape)}")
-    batch, k = draft_ids.shape
-    if target_probs.dim() != 3 or tuple(target_probs.shape[:2]) != (batch, k + 1):
-        raise ValueError(
-            f"target_probs must be [B, K+1, V] = [{batch}, {k + 1}, V], "
-            f"got {tuple(target_probs.shape)}"
-        )
-    vocab = target_probs.shape[-1]
-    if vocab == 0:
-        raise ValueError("target_probs has an empty vocabulary")
-    if draft_probs is not None and tuple(draft_probs.shape) != (batch, k, vocab):
-        raise ValueError(
-            f"draft_probs must be [B, K, V] = [{batch}, {k}, {vocab}], "
-            f"got {tuple(draft_probs.shape)}"
-        )
-    if generators is not None and len(generators) != batch:
-        raise ValueError(f"expected {batch} generators, got {len(generators)}")
-
-
-def _num_drafts(draft_ids: torch.Tensor) -> torch.Tensor:
-    """[B] number of drafts per row: the length of the leading run of ids >= 0."""
-    return (draft_ids >= 0).long().cumprod(dim=1).sum(dim=1)
+# the helpers the ragged layout replaced, as they were
 
 
 def _draw_uniforms(generators, n_drafts, batch, k, vocab, device):
@@ -186,24 +144,3 @@ def _final_distribution(draft_ids, draft_probs, target_probs, n_drafts, n_accept
     rejected = (n_accepted < n_drafts).unsqueeze(1)  # [B, 1]
     use_residual = rejected & (residual_mass > _RESIDUAL_EPS * p_mass)
     return torch.where(use_residual, residual, p_a)
-
-
-def _exponential_race(dist: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """[B] one categorical draw per row from unnormalised dist [B, V].
-
-    With E_i ~ Exp(1) independent, argmax_i dist_i / E_i is i with probability
-    dist_i / sum(dist).  Entries with dist <= 0 (or NaN) score -1 and so are
-    never chosen while the row has any positive mass.
-    """
-    e = -torch.log1p(-u)  # [B, V] Exp(1) from uniforms in [0, 1); may be 0 -> score inf
-    score = torch.where(dist > 0, dist / e, torch.full_like(dist, -1.0))
-    return score.argmax(dim=-1)
-
-
-def _assemble(draft_ids, n_accepted, token) -> torch.Tensor:
-    """[B, K+1]: accepted drafts, the final token at position a_b, then -1."""
-    batch, k = draft_ids.shape
-    positions = torch.arange(k + 1, device=draft_ids.device)  # [K+1]
-    padded = F.pad(draft_ids, (0, 1), value=-1)  # [B, K+1]
-    out = torch.where(positions < n_accepted.unsqueeze(1), padded, -1)
-    return out.scatter_(1, n_accepted.unsqueeze(1), token.unsqueeze(1))
