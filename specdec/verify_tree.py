@@ -38,7 +38,7 @@ import torch
 
 from specdec.draft_tree import children_of
 from specdec.transfer import upload
-from specdec.verify import _RESIDUAL_EPS, _exponential_race
+from specdec.verify import _RESIDUAL_EPS, _exponential_race, in_target_vocab
 
 
 @dataclasses.dataclass
@@ -59,7 +59,8 @@ class _Rows:
 
 def accept_tree(draft_ids: Sequence[Sequence[int]], parents: Sequence[Sequence[int]], target_probs: torch.Tensor,
                 generators: Sequence[torch.Generator | None] | None = None,
-                draft_probs: Sequence[torch.Tensor | None] | None = None) -> list[Verdict]:
+                draft_probs: Sequence[torch.Tensor | None] | None = None,
+                draft_vocab: Sequence[torch.Tensor | None] | None = None) -> list[Verdict]:
     """Verify B draft trees at once.
 
     Args:
@@ -70,6 +71,9 @@ def accept_tree(draft_ids: Sequence[Sequence[int]], parents: Sequence[Sequence[i
         generators: None, or per sequence a torch.Generator or None (global RNG).
         draft_probs: None, or per sequence None (deterministic candidates) or [R_b, V]: row r the distribution
             the children of target row r were drawn from (rows >= R_b: deterministic).
+        draft_vocab: None, or per sequence None or [V_draft]: its draft_probs span a reduced draft vocabulary,
+            column c being target id draft_vocab[c] (mapped into the target vocabulary here: the walk's
+            residuals are over the whole of it).
 
     Two host copies in all: every child's test values, then the final tokens."""
     sizes = [len(d) for d in draft_ids]
@@ -78,7 +82,7 @@ def accept_tree(draft_ids: Sequence[Sequence[int]], parents: Sequence[Sequence[i
     if target_probs.shape[0] != sum(n + 1 for n in sizes):
         raise ValueError(f"target_probs needs {sum(n + 1 for n in sizes)} rows (each tree's nodes + 1), "
                          f"got {target_probs.shape[0]}")
-    draft_probs = draft_probs if draft_probs is not None else [None] * len(sizes)
+    draft_probs = _in_target_vocab(draft_probs, draft_vocab, len(sizes), target_probs.shape[-1])
     first_row = [0]
     for n in sizes:
         first_row.append(first_row[-1] + n + 1)
@@ -98,6 +102,13 @@ def accept_tree(draft_ids: Sequence[Sequence[int]], parents: Sequence[Sequence[i
     for verdict, token in zip(verdicts, last):
         verdict.tokens.append(token)
     return verdicts
+
+
+def _in_target_vocab(draft_probs, draft_vocab, count: int, vocab: int) -> list[torch.Tensor | None]:
+    """Per sequence its q rows [R_b, V] over the target vocabulary, or None."""
+    draft_probs = draft_probs if draft_probs is not None else [None] * count
+    draft_vocab = draft_vocab if draft_vocab is not None else [None] * count
+    return [None if q is None else in_target_vocab(q, vocab, ids) for q, ids in zip(draft_probs, draft_vocab)]
 
 
 def _walk(children: list[list[int]], draft_ids: Sequence[int], u: list[float], tests

@@ -12,6 +12,7 @@ from specdec import LLM, ModelLoadError, SamplingParams
 from specdec.models.eagle3 import load_eagle3_head, random_head, save_eagle3_head
 from specdec.models.loader import load_model
 from specdec.speculate import SpecConfig
+from tests.broken_verify import accept_everything
 from tests.stats import chi_square_p
 from tests.test_speculative import GREEDY, _exact_token2_marginal, mixed_prompts
 
@@ -177,6 +178,25 @@ def test_sampled_tokens_follow_the_target_distribution(qwen3_dir, sampled_eagle_
     assert chi_square_p(counts, _exact_token2_marginal(qwen3_dir, prompt)) > 1e-3
 
 
+def test_the_verifier_reads_q_in_the_heads_draft_vocabulary(sampled_eagle_llm, monkeypatch):
+    """The head hands out q over its 64-token draft vocabulary with the target id of each column; the sampler
+    passes it on unmapped (no [sum k, V_target] rows)."""
+    import specdec.engine.sampler as sampler
+
+    seen = []
+    real = sampler.accept_ragged
+
+    def spy(target_probs, draft_ids, num_drafts, draft_q=None, generators=None):
+        seen.append(draft_q)
+        return real(target_probs, draft_ids, num_drafts, draft_q, generators)
+
+    monkeypatch.setattr(sampler, "accept_ragged", spy)
+    sampled_eagle_llm.generate([[5, 17, 30, 2, 9]] * 4, SamplingParams(max_tokens=4, temperature=1.0, ignore_eos=True))
+    q = [d for d in seen if d is not None]
+    ids = sampled_eagle_llm.engine.speculator.target_ids
+    assert q and all(d.probs.shape[1] == 64 and torch.equal(d.vocab_ids, ids) for d in q)
+
+
 def test_sampled_tokens_follow_the_target_distribution_through_head_graphs(qwen3_dir, head_dir):
     llm = eagle_llm(qwen3_dir, head_dir, 2, max_num_seqs=64, kv_cache_tokens=16384, static_shapes=True,
                     max_graph_batch=64)
@@ -190,12 +210,6 @@ def test_sampled_tokens_follow_the_target_distribution_through_head_graphs(qwen3
     assert len(padded) > 50  # the chain and the observes after verify steps went through the padded buckets
 
 
-def _accept_all(draft_ids, draft_probs, target_probs, generators=None):
-    """A broken verifier: every draft accepted, then a bonus token."""
-    bonus = torch.multinomial(target_probs[:, -1], 1)
-    return torch.cat([draft_ids, bonus], dim=1)
-
-
 @pytest.mark.parametrize("broken", [False, True])
 def test_at_temperature_0_7_with_top_p_the_tokens_follow_the_target(qwen3_dir, head_dir, broken, monkeypatch):
     """The head drafts from its own distribution at the request's settings (T 0.7, top-p 0.9), through the
@@ -203,7 +217,7 @@ def test_at_temperature_0_7_with_top_p_the_tokens_follow_the_target(qwen3_dir, h
     import specdec.engine.sampler as sampler
 
     if broken:
-        monkeypatch.setattr(sampler, "accept", _accept_all)
+        monkeypatch.setattr(sampler, "accept_ragged", accept_everything)
     llm = eagle_llm(qwen3_dir, head_dir, 2, max_num_seqs=64, kv_cache_tokens=16384, static_shapes=True,
                     max_graph_batch=64)
     prompt = [5, 17, 30, 2, 9]
@@ -220,7 +234,7 @@ def test_at_temperature_0_7_with_top_p_the_tokens_follow_the_target(qwen3_dir, h
 def test_negative_control_accept_everything_fails(qwen3_dir, sampled_eagle_llm, monkeypatch):
     import specdec.engine.sampler as sampler
 
-    monkeypatch.setattr(sampler, "accept", _accept_all)
+    monkeypatch.setattr(sampler, "accept_ragged", accept_everything)
     prompt = [5, 17, 30, 2, 9]
     counts, _ = _token2_counts(sampled_eagle_llm, prompt, 4000)
     assert chi_square_p(counts, _exact_token2_marginal(qwen3_dir, prompt)) < 1e-6

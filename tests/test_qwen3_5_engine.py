@@ -12,6 +12,7 @@ import torch
 from specdec import LLM, SamplingParams
 from specdec.errors import ConfigError
 from specdec.speculate import SpecConfig
+from tests.broken_verify import accept_everything
 from tests.checkpoints import save_tiny
 from tests.stats import chi_square_p
 from tests.test_qwen3_5 import build_hf
@@ -85,11 +86,6 @@ def _token2_marginal(path, prompt: list[int]) -> np.ndarray:
     return (p1[:, None] * p2).sum(0).numpy()
 
 
-def _accept_all(draft_ids, draft_probs, target_probs, generators=None):
-    """A broken verifier: every draft accepted, then a bonus token."""
-    return torch.cat([draft_ids, torch.multinomial(target_probs[:, -1], 1)], dim=1)
-
-
 @pytest.fixture(scope="module")
 def drafter(tmp_path_factory):
     """A tiny Qwen3 drafter over the hybrid's 300-token vocabulary."""
@@ -120,7 +116,7 @@ def check_sampled_token2(path, spec: SpecConfig, n: int, broken: bool, monkeypat
     import specdec.engine.sampler as sampler
 
     if broken:
-        monkeypatch.setattr(sampler, "accept", _accept_all)
+        monkeypatch.setattr(sampler, "accept_ragged", accept_everything)
     prompt = [5, 17, 30, 2, 9, 41]
     llm = LLM(path, device="cpu", kv_cache_tokens=16384, block_size=4, max_num_seqs=256, speculator=spec)
     outs = llm.generate([prompt] * n, SamplingParams(max_tokens=3, temperature=1.0, ignore_eos=True))

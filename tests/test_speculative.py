@@ -14,6 +14,7 @@ from specdec.speculate import SpecConfig
 from specdec.speculate.controller import KController
 from specdec.speculate.step_costs import CalibratedCosts, StepCostTable
 from specdec.speculate.ngram import ngram_draft
+from tests.broken_verify import accept_everything
 from tests.checkpoints import save_tiny
 from tests.stats import chi_square_p
 
@@ -209,11 +210,7 @@ def test_negative_control_accept_everything_fails(qwen3_dir, sampled_draft_llm, 
     """A verifier that keeps every draft emits the drafter's distribution; the same test must catch it."""
     import specdec.engine.sampler as sampler
 
-    def accept_all(draft_ids, draft_probs, target_probs, generators=None):
-        bonus = torch.multinomial(target_probs[:, -1], 1)
-        return torch.cat([draft_ids, bonus], dim=1)
-
-    monkeypatch.setattr(sampler, "accept", accept_all)
+    monkeypatch.setattr(sampler, "accept_ragged", accept_everything)
     prompt = [5, 17, 30, 2, 9]
     counts, _ = _token2_counts(sampled_draft_llm, prompt, 4000)
     assert chi_square_p(counts, _exact_token2_marginal(qwen3_dir, prompt)) < 1e-6

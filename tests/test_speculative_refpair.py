@@ -14,6 +14,7 @@ import torch
 from specdec import LLM, SamplingParams
 from specdec.assets import heldout_prompts_path
 from specdec.speculate import SpecConfig
+from tests.broken_verify import accept_everything
 from tests.stats import chi_square_p
 
 N = 1500  # requests at temperature 1; token 1 is the one tested
@@ -59,15 +60,7 @@ def test_negative_control_accepting_every_draft_fails(setting, monkeypatch):
     """Accept every draft (then the bonus): the second token follows the drafter, and the test sees it."""
     import specdec.engine.sampler as sampler
 
-    def accept_all(draft_ids, draft_probs, target_probs, generators=None):
-        out = torch.full((draft_ids.shape[0], draft_ids.shape[1] + 1), -1, dtype=torch.long)
-        for b, row in enumerate(draft_ids.tolist()):
-            kept = [t for t in row if t >= 0]
-            bonus = int(torch.multinomial(target_probs[b, len(kept)], 1, generator=(generators or [None] * 64)[b]))
-            out[b, :len(kept) + 1] = torch.tensor(kept + [bonus])
-        return out
-
     spec, ids = setting
-    monkeypatch.setattr(sampler, "accept", accept_all)
+    monkeypatch.setattr(sampler, "accept_ragged", accept_everything)
     first, counts = second_tokens(spec, ids)
     assert chi_square_p(counts, exact_next(spec, ids + [first])) < 1e-6  # 0 (underflow) here

@@ -50,6 +50,9 @@ class Request:
         self.state_slot: int | None = None  # a hybrid model's recurrent-state slot (engine/state_slots.py)
         self.draft_token_ids: list[int] = []  # proposed for the next step
         self.draft_probs: torch.Tensor | None = None  # [k, V] drafter distributions, None = deterministic
+        # draft_probs' columns, when they span a reduced draft vocabulary: [V_draft] the target id of each (an
+        # EAGLE-3 head's d2t; q is 0 at every other token); None: draft_probs spans the target vocabulary.
+        self.draft_vocab: torch.Tensor | None = None
         # A draft tree instead of a chain: node i's parent (-1: the newest token), parents before children
         # (specdec/verify_tree.py); None: the drafts are a chain.  For a tree, draft_probs[r] is the distribution
         # the children of fed row r (0: the newest token, i + 1: node i) were drawn from.
@@ -90,7 +93,7 @@ class Request:
         return self.status is Status.FINISHED
 
     def clear_drafts(self) -> None:
-        self.draft_token_ids, self.draft_probs, self.draft_parents = [], None, None
+        self.draft_token_ids, self.draft_probs, self.draft_parents, self.draft_vocab = [], None, None, None
 
     def finish(self, reason: str) -> None:
         self.status = Status.FINISHED

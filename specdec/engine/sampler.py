@@ -10,12 +10,10 @@ rows are the root's and each node's, and its verdict says which rows the emitted
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from specdec.engine.scheduler import ScheduledSeq
 from specdec.sampling import processed_probs_rows
-from specdec.transfer import upload
-from specdec.verify import accept
+from specdec.verify import DraftQ, accept_ragged, in_target_vocab
 from specdec.verify_tree import Verdict, accept_tree
 
 
@@ -43,7 +41,8 @@ def _verify_trees(seqs: list[ScheduledSeq], logits: list[torch.Tensor]) -> list[
     probs = processed_probs_rows(torch.cat(logits), [s.request.params for s, rows in zip(seqs, logits)
                                                      for _ in range(rows.shape[0])])  # [sum(N_b + 1), V]
     return accept_tree([s.request.draft_token_ids[:s.num_drafts] for s in seqs], [s.tree_parents for s in seqs], probs,
-                       [s.request.generator for s in seqs], [s.request.draft_probs for s in seqs])
+                       [s.request.generator for s in seqs], [s.request.draft_probs for s in seqs],
+                       [s.request.draft_vocab for s in seqs])
 
 
 def _sample_chains(seqs: list[ScheduledSeq | None], logits: list[torch.Tensor]) -> list[list[int]]:
@@ -67,40 +66,38 @@ def _sample_chains(seqs: list[ScheduledSeq | None], logits: list[torch.Tensor]) 
 
 
 def _verify_stochastic(seqs: list[ScheduledSeq], logits: list[torch.Tensor]) -> list[list[int]]:
-    """Rejection sampling for every sampled sequence at once: a few batched kernels and one host copy,
-    whatever the batch size (per-row work is only each seeded row's draw from its generator)."""
-    k = max(s.num_drafts for s in seqs)
-    vocab = logits[0].shape[-1]
-    device = logits[0].device
-    counts = [1 + s.num_drafts for s in seqs]
-    # Worked example: drafts (2, 0, 1) -> counts (3, 1, 2), k = 2; the 6 logits rows land at
-    # (batch, position) (0,0) (0,1) (0,2) (1,0) (2,0) (2,1) of target [3, 3, V]; the rest stays 0.
+    """Rejection sampling for every sampled sequence at once, on the ragged layout (nothing padded to the longest
+    chain): a few batched kernels and one host copy, whatever the batch size (per-row work is only each seeded
+    row's draw from its generator)."""
+    counts = [s.num_drafts for s in seqs]
     probs = processed_probs_rows(torch.cat(logits), [s.request.params for s, n in zip(seqs, counts)
-                                                     for _ in range(n)])  # [sum(counts), V]
-    target = probs.new_zeros(len(seqs), k + 1, vocab)
-    target[_row_index(counts, device)] = probs  # [B, k+1, V]
-    draft_ids = torch.tensor([s.request.draft_token_ids[:s.num_drafts] + [-1] * (k - s.num_drafts)
-                              for s in seqs], dtype=torch.long)  # [B, k] on the host: accept reads counts free
-    draft_probs = None
-    drafted = [s for s in seqs if s.num_drafts]
-    if any(s.request.draft_probs is not None for s in drafted):
-        draft_probs = probs.new_zeros(len(seqs), k, vocab)
-        rows = torch.cat([_draft_probs(s, s.num_drafts, vocab, device) for s in drafted])  # [sum(drafts), V]
-        draft_probs[_row_index([s.num_drafts for s in seqs], device)] = rows
-    tokens = accept(draft_ids, draft_probs, target, [s.request.generator for s in seqs])  # [B, k+1]
-    return [[t for t in row if t >= 0] for row in tokens.tolist()]
+                                                     for _ in range(1 + n)])  # [sum(1 + counts), V]
+    drafts = [s.request.draft_token_ids[:n] for s, n in zip(seqs, counts)]
+    draft_ids = torch.tensor([t for d in drafts for t in d], dtype=torch.long)  # [sum(counts)] on the host
+    verdict = accept_ragged(probs, draft_ids, counts, _draft_q(seqs, probs.shape[-1], probs.device),
+                            [s.request.generator for s in seqs])
+    n_accepted, token = torch.stack(verdict).tolist()  # [2, B]: the one host copy
+    return [d[:a] + [t] for d, a, t in zip(drafts, n_accepted, token)]
 
 
-def _row_index(counts: list[int], device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(batch index, position index) of each of sum(counts) stacked rows, row b having counts[b] rows."""
-    batch = [b for b, n in enumerate(counts) for _ in range(n)]
-    position = [j for n in counts for j in range(n)]
-    return upload(batch, device), upload(position, device)
-
-
-def _draft_probs(seq: ScheduledSeq, n: int, vocab: int, device) -> torch.Tensor:
-    """[n, V] the drafter's distributions, one-hot for a deterministic drafter."""
-    req = seq.request
-    if req.draft_probs is None:
-        return F.one_hot(upload(req.draft_token_ids[:n], device), vocab).float()
-    return req.draft_probs[:n].to(device=device, dtype=torch.float32)
+def _draft_q(seqs: list[ScheduledSeq], vocab: int, device) -> DraftQ | None:
+    """The drafters' q of the sequences' drafts: the rows of each sequence that has them, stacked in turn (one
+    copy, kept in the draft vocabulary when all share one), or None when none has.  A deterministic drafter's
+    one-hot q is not built: its drafts' rows are -1."""
+    sampled = [s.num_drafts > 0 and s.request.draft_probs is not None for s in seqs]
+    if not any(sampled):
+        return None
+    vocabs = {id(s.request.draft_vocab) for s, on in zip(seqs, sampled) if on}
+    shared = len(vocabs) == 1  # one drafter: its q rows share their columns
+    rows, index, at = [], [], 0
+    for seq, on in zip(seqs, sampled):
+        n, req = seq.num_drafts, seq.request
+        if not on:
+            index += [-1] * n
+            continue
+        q = req.draft_probs[:n]  # [n, V_draft or V]
+        rows.append(q if shared else in_target_vocab(q, vocab, req.draft_vocab))
+        index += range(at, at + n)
+        at += n
+    draft_vocab = next(s.request.draft_vocab for s, on in zip(seqs, sampled) if on) if shared else None
+    return DraftQ(torch.cat(rows).to(device), torch.tensor(index, dtype=torch.long), draft_vocab)

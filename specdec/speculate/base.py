@@ -9,7 +9,8 @@ class Speculator:
     """Proposes up to k[i] draft tokens for requests[i], writing req.draft_token_ids (and draft_probs).
 
     draft_probs is [n, V] (the drafter's distributions, needed for lossless sampling) or None for a
-    deterministic drafter (probability 1 on each drafted token).
+    deterministic drafter (probability 1 on each drafted token); [n, V_draft] over a reduced draft
+    vocabulary when req.draft_vocab gives the target id of each column.
     """
 
     name = "none"

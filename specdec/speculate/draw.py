@@ -6,6 +6,9 @@ import torch
 
 from specdec.sampling import SamplingParams, processed_probs_rows
 from specdec.transfer import upload
+from specdec.verify import in_target_vocab
+
+__all__ = ["draw_drafts", "draw_uniforms", "in_target_vocab", "inverse_cdf"]
 
 
 def draw_drafts(logits: torch.Tensor, params: list[SamplingParams], generators: list, target_vocab: int,
@@ -59,13 +62,3 @@ def draw_uniforms(generators: list, count: int, device) -> torch.Tensor:
             out[i] = torch.rand(count, generator=gen, device=gen.device).to(device)
     return out
 
-
-def in_target_vocab(q: torch.Tensor, target_vocab: int, target_ids: torch.Tensor | None) -> torch.Tensor:
-    """q [..., V_draft] -> [..., V_target]: each draft id's mass at its target id, 0 elsewhere."""
-    if target_ids is None:
-        if q.shape[-1] == target_vocab:
-            return q
-        return torch.nn.functional.pad(q, (0, target_vocab - q.shape[-1]))
-    out = q.new_zeros(*q.shape[:-1], target_vocab)
-    out[..., target_ids] = q
-    return out

@@ -177,8 +177,9 @@ class Eagle3Speculator(Speculator):
     def _hand_out(self, active, drawn) -> None:
         """Read every forward's drafts back at once (the one host sync) and give each request its chain, or its
         tree: the spine (each depth's first candidate), then each depth's other candidates (spine_and_siblings'
-        layout); a sampled request also gets each depth's q [k, V_target] (for a tree, row r: the distribution
-        of the children of fed row r, 0 the root's)."""
+        layout); a sampled request also gets each depth's q [k, V_draft] in the head's draft vocabulary, with
+        the target id of each column (req.draft_vocab; for a tree, row r: the distribution of the children of
+        fed row r, 0 the root's)."""
         counts = [tokens.shape[0] for tokens, _ in drawn]  # forward i's live rows
         tops = [t.tolist() for t in torch.cat([t.view(t.shape[0], -1) for t, _ in drawn]).split(counts)]
         probs = self._q_rows(active, drawn)
@@ -187,15 +188,18 @@ class Eagle3Speculator(Speculator):
             if self.tree_width > 1:
                 req.draft_parents = spine_and_siblings(k, self.tree_width)
             if not req.params.greedy:
-                req.draft_probs = next(probs)  # [k, V_target]
+                req.draft_probs = next(probs)  # [k, V_draft]
+                req.draft_vocab = self.target_ids  # [V_draft], or None: q is in the target vocabulary already
 
     def _q_rows(self, active, drawn):
-        """Every sampled request's q rows [k, V_target] in turn, mapped into the target vocabulary in one go."""
+        """Every sampled request's q rows [k, V_draft] in turn, left in the draft vocabulary (the verifier reads
+        them there through target_ids; without target_ids, draft id i is target id i)."""
         sampled = [(row, k) for row, (req, k) in enumerate(active) if not req.params.greedy]
         if not sampled:
             return iter(())
         q = torch.cat([qs[row] for row, _ in sampled for _, qs in drawn if row < len(qs)])  # [sum k, V_draft]
-        q = in_target_vocab(q, self.target_vocab, self.target_ids)
+        if self.target_ids is None:
+            q = in_target_vocab(q, self.target_vocab, None)  # [sum k, V_target]: padded if narrower
         return iter(torch.split(q, [k for _, k in sampled]))
 
     def _draw(self, reqs: list[Request], states: torch.Tensor, logits: torch.Tensor | None,
