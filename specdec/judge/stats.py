@@ -11,6 +11,25 @@ import numpy as np
 from specdec.sequences import common_prefix_length
 
 Z95 = 1.96
+# The two-sided 95 % quantile of Student's t for 1-30 degrees of freedom (beyond, t95 expands around Z95).
+T95 = (12.7062, 4.3027, 3.1824, 2.7764, 2.5706, 2.4469, 2.3646, 2.3060, 2.2622, 2.2281, 2.2010, 2.1788, 2.1604,
+       2.1448, 2.1314, 2.1199, 2.1098, 2.1009, 2.0930, 2.0860, 2.0796, 2.0739, 2.0687, 2.0639, 2.0595, 2.0555,
+       2.0518, 2.0484, 2.0452, 2.0423)
+
+
+def t95(df: float) -> float:
+    """The half-width, in standard errors, of a 95 % interval whose standard error has `df` degrees of freedom.
+
+    A standard error estimated from k replies (or k pairs) has k - 1: with 8 replies Z95 (1.96) would give a
+    91 % interval, Student's t (2.36) a 95 % one.  No degrees of freedom: an infinite width (no interval).
+    """
+    if not df >= 1:
+        return math.inf
+    if df <= len(T95) and df == int(df):
+        return T95[int(df) - 1]
+    z = Z95  # Cornish-Fisher expansion of t's quantile in 1 / df (error < 1e-4 from 30 on)
+    return z + (z ** 3 + z) / (4 * df) + (5 * z ** 5 + 16 * z ** 3 + 3 * z) / (96 * df ** 2) \
+        + (3 * z ** 7 + 19 * z ** 5 + 17 * z ** 3 - 15 * z) / (384 * df ** 3)
 
 
 def geometric_mean(values: Sequence[float]) -> float:
@@ -55,10 +74,12 @@ def ratio_mean_se(sums: Sequence[float], counts: Sequence[float]) -> tuple[float
     return float(mean), float(math.sqrt((residual ** 2).sum() / (k * (k - 1))))
 
 
-def gap_with_se(candidate: tuple[float, float], stock: tuple[float, float]) -> dict:
-    """{"gap", "se", "candidate", "stock"} from two independent (mean, se) pairs."""
+def gap_with_se(candidate: tuple[float, float], stock: tuple[float, float], df: float = math.inf) -> dict:
+    """{"gap", "se", "df", "candidate", "stock"} from two independent (mean, se) pairs; `df`: the standard
+    error's degrees of freedom (at least the smaller side's replies - 1 is safe)."""
     (c_mean, c_se), (s_mean, s_se) = candidate, stock
-    return {"gap": c_mean - s_mean, "se": math.sqrt(c_se ** 2 + s_se ** 2), "candidate": c_mean, "stock": s_mean}
+    return {"gap": c_mean - s_mean, "se": math.sqrt(c_se ** 2 + s_se ** 2), "df": df, "candidate": c_mean,
+            "stock": s_mean}
 
 
 def paired_gap_with_se(candidate_sums: Sequence[float], candidate_counts: Sequence[float],
@@ -66,8 +87,8 @@ def paired_gap_with_se(candidate_sums: Sequence[float], candidate_counts: Sequen
     """The gap of two pooled means over paired replies (pair i: the same prompt and seed on both engines).
 
     The standard error comes from the per-pair differences of the two ratio estimators' linearized residuals,
-    so what the prompts share (some prompts are simply likelier than others) cancels out of it.  Pairs where
-    either reply has no tokens are dropped.
+    so what the prompts share (some prompts are simply likelier than others) cancels out of it; it has pairs - 1
+    degrees of freedom (`df`).  Pairs where either reply has no tokens are dropped.
     """
     c_y, c_n, s_y, s_n = (np.asarray(v, dtype=float) for v in (candidate_sums, candidate_counts, stock_sums,
                                                                 stock_counts))
@@ -76,14 +97,14 @@ def paired_gap_with_se(candidate_sums: Sequence[float], candidate_counts: Sequen
     keep = (c_n > 0) & (s_n > 0)
     c_y, c_n, s_y, s_n = c_y[keep], c_n[keep], s_y[keep], s_n[keep]
     if len(c_n) == 0:
-        return {"gap": math.nan, "se": math.nan, "candidate": math.nan, "stock": math.nan}
+        return {"gap": math.nan, "se": math.nan, "df": 0, "candidate": math.nan, "stock": math.nan}
     c_mean, s_mean = c_y.sum() / c_n.sum(), s_y.sum() / s_n.sum()
     k = len(c_n)
     se = math.inf
     if k >= 2:
         diff = (c_y - c_mean * c_n) / c_n.mean() - (s_y - s_mean * s_n) / s_n.mean()
         se = float(math.sqrt((diff ** 2).sum() / (k * (k - 1))))
-    return {"gap": float(c_mean - s_mean), "se": se, "candidate": float(c_mean), "stock": float(s_mean)}
+    return {"gap": float(c_mean - s_mean), "se": se, "df": k - 1, "candidate": float(c_mean), "stock": float(s_mean)}
 
 
 PASS, FAIL, INCONCLUSIVE = "pass", "fail", "inconclusive"
