@@ -40,6 +40,15 @@ def write_corpus(path: Path) -> Path:
     return path
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Matrices this small gain nothing from a second thread, and lose much on a busy shared host."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     """(checkpoint dir, pretrain's result) of a tiny hybrid pre-trained for STEPS steps on CPU."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from specdec.train.lm import ModelShape
+from specdec.train.lm import ModelShape, config_kwargs
 
 
 @dataclasses.dataclass
@@ -38,6 +38,8 @@ class HybridShape(ModelShape):
 
 
 HYBRID_TARGET_SHAPE = HybridShape()
+LINEAR_FIELDS = ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
+                 "linear_conv_kernel_dim")  # HybridShape fields that Qwen3_5TextConfig takes under the same name
 
 
 def layer_types(shape: HybridShape) -> list[str]:
@@ -62,27 +64,8 @@ def qwen3_5_config(shape: HybridShape, vocab_size: int, eos_token_id: int, pad_t
                          f"gives {rotary_dim} rotary dims: need an even number >= 2")
     if shape.linear_num_value_heads % shape.linear_num_key_heads:
         raise ValueError("linear_num_value_heads must be a multiple of linear_num_key_heads")
-    return Qwen3_5TextConfig(
-        vocab_size=vocab_size,
-        hidden_size=shape.hidden_size,
-        intermediate_size=shape.intermediate_size,
-        num_hidden_layers=shape.num_layers,
-        num_attention_heads=shape.num_heads,
-        num_key_value_heads=shape.num_kv_heads,
-        head_dim=shape.head_dim,
-        layer_types=layer_types(shape),
-        linear_num_key_heads=shape.linear_num_key_heads,
-        linear_num_value_heads=shape.linear_num_value_heads,
-        linear_key_head_dim=shape.linear_key_head_dim,
-        linear_value_head_dim=shape.linear_value_head_dim,
-        linear_conv_kernel_dim=shape.linear_conv_kernel_dim,
-        max_position_embeddings=shape.max_position_embeddings,
-        rope_parameters={"rope_type": "default", "rope_theta": float(shape.rope_theta),
-                         "partial_rotary_factor": shape.partial_rotary_factor,
-                         "mrope_section": mrope_section(rotary_dim), "mrope_interleaved": True},
-        tie_word_embeddings=shape.tie_word_embeddings,
-        bos_token_id=None,
-        eos_token_id=eos_token_id,
-        pad_token_id=eos_token_id if pad_token_id is None else pad_token_id,
-        architectures=["Qwen3_5ForCausalLM"],
-    )
+    kwargs = config_kwargs(shape, vocab_size, eos_token_id, pad_token_id)
+    kwargs["rope_parameters"].update(partial_rotary_factor=shape.partial_rotary_factor,
+                                     mrope_section=mrope_section(rotary_dim), mrope_interleaved=True)
+    linear = {name: getattr(shape, name) for name in LINEAR_FIELDS}
+    return Qwen3_5TextConfig(**kwargs, **linear, layer_types=layer_types(shape), architectures=["Qwen3_5ForCausalLM"])

@@ -55,11 +55,10 @@ ARCHS = ("qwen3", "qwen3_5")
 DRAFT_SHAPE = ModelShape(hidden_size=256, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=64, intermediate_size=768)
 
 
-def qwen3_config(shape: ModelShape, vocab_size: int, eos_token_id: int, pad_token_id: int | None = None):
-    """A ``transformers.Qwen3Config`` for ``shape`` (default RoPE, no sliding window, no bias)."""
-    from transformers import Qwen3Config
-
-    return Qwen3Config(
+def config_kwargs(shape: ModelShape, vocab_size: int, eos_token_id: int, pad_token_id: int | None = None) -> dict:
+    """The transformers config fields every architecture takes from a ``ModelShape`` (no BOS; pad = EOS unless
+    given). ``rope_parameters`` holds default RoPE at ``rope_theta``; an architecture may add to it."""
+    return dict(
         vocab_size=vocab_size,
         hidden_size=shape.hidden_size,
         intermediate_size=shape.intermediate_size,
@@ -70,12 +69,18 @@ def qwen3_config(shape: ModelShape, vocab_size: int, eos_token_id: int, pad_toke
         max_position_embeddings=shape.max_position_embeddings,
         rope_parameters={"rope_type": "default", "rope_theta": float(shape.rope_theta)},
         tie_word_embeddings=shape.tie_word_embeddings,
-        use_sliding_window=False,
         bos_token_id=None,
         eos_token_id=eos_token_id,
         pad_token_id=eos_token_id if pad_token_id is None else pad_token_id,
-        architectures=["Qwen3ForCausalLM"],
     )
+
+
+def qwen3_config(shape: ModelShape, vocab_size: int, eos_token_id: int, pad_token_id: int | None = None):
+    """A ``transformers.Qwen3Config`` for ``shape`` (default RoPE, no sliding window, no bias)."""
+    from transformers import Qwen3Config
+
+    return Qwen3Config(**config_kwargs(shape, vocab_size, eos_token_id, pad_token_id), use_sliding_window=False,
+                       architectures=["Qwen3ForCausalLM"])
 
 
 def target_shape(arch: str) -> ModelShape:
