@@ -17,6 +17,7 @@ from specdec.speculate import SpecConfig
 from specdec.speculate.eagle3 import Eagle3Speculator
 from specdec.train import head as pipeline
 from specdec.train.head_loss import unrolled_logits
+from specdec.train.head_unroll import Eagle3Unroll
 from tests.checkpoints import save_tiny
 from tests.test_train_drafter import _texts, _write_jsonl
 
@@ -43,7 +44,7 @@ def test_unrolled_training_steps_equal_drafting_with_teacher_tokens(qwen3_dir):
     ids = torch.tensor([tokens])
     embed, features = _signals(qwen3_dir, ids)
     with torch.no_grad():
-        unrolled = unrolled_logits(head, embed, features, 3)  # per step [1, T, V_draft]
+        unrolled = unrolled_logits(Eagle3Unroll(head), embed, features, 3)  # per step [1, T, V_draft]
     blocks = BlockManager(16, 4)
     spec = Eagle3Speculator(head, blocks, target.config.vocab_size, LAYERS)
     block_ids = blocks.allocate(4)

@@ -22,9 +22,11 @@ proposer, method "mtp") and SGLang (qwen3_next_mtp.py) run these heads; docs/ARC
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file, save_file
 from torch import nn
 
 from specdec.errors import ConfigError, ModelLoadError
@@ -108,24 +110,33 @@ def load_mtp_head(model_dir: str | Path, target, device: torch.device, dtype: to
     """The MTP head of the checkpoint `target` (a HybridCausalLM) was loaded from; refused, saying what to do,
     when the target is not Qwen3.5 or its checkpoint has no mtp.* weights, and naming the tensor and the
     config field when a weight's shape does not fit the target."""
-    from specdec.models.loader import read_mtp_state
-
     if target.config.architecture != "qwen3_5":
         raise ConfigError(f"the mtp speculator drafts with Qwen3.5's own multi-token-prediction head; {model_dir} is "
                           f"a {target.config.architecture} model: use --speculator eagle3, draft or ngram")
-    stored = read_mtp_state(model_dir, device, dtype)
-    if not stored:
+    head = read_mtp_head(model_dir, target.config, device, dtype)
+    if head is None:
         raise ConfigError(f"{model_dir} has no MTP weights (mtp.*): --speculator mtp needs a Qwen3.5 checkpoint "
                           "that ships its multi-token-prediction head (the published ones do; some conversions "
                           "drop it): use the original checkpoint, or another speculator (eagle3, draft, ngram)")
-    state = {name[len(PREFIX):]: tensor for name, tensor in stored.items()}
-    config = MTPConfig.for_target(target.config)
-    with torch.device("meta"):
-        head = MTPHead(config)
-    _check_weights(head, state, Path(model_dir))
-    head.load_state_dict(state, assign=True)
     head.share_target(target)
     return head.eval().requires_grad_(False)
+
+
+def read_mtp_head(model_dir: str | Path, target: ModelConfig, device: torch.device,
+                  dtype: torch.dtype) -> MTPHead | None:
+    """The checkpoint's MTP head, its weights checked against the target's config, not yet sharing the target's
+    embedding, LM head and rotary table; None when the checkpoint has no mtp.* weights."""
+    from specdec.models.loader import read_mtp_state
+
+    stored = read_mtp_state(model_dir, device, dtype)
+    if not stored:
+        return None
+    state = {name[len(PREFIX):]: tensor for name, tensor in stored.items()}
+    with torch.device("meta"):
+        head = MTPHead(MTPConfig.for_target(target))
+    _check_weights(head, state, Path(model_dir))
+    head.load_state_dict(state, assign=True)
+    return head
 
 
 def _check_weights(head: MTPHead, state: dict, model_dir: Path) -> None:
@@ -143,6 +154,53 @@ def _check_weights(head: MTPHead, state: dict, model_dir: Path) -> None:
             fields = _SHAPE_FIELDS.get(".".join(name.split(".")[-2:]), "hidden_size")
             raise ModelLoadError(f"{model_dir}: MTP weight {PREFIX}{name} has shape {got}, but config.json's "
                                  f"{fields} imply {tuple(tensor.shape)}: the head does not fit this target")
+
+
+# ---------------------------------------------------------------------------------------------- saving
+
+MTP_FILE = "model-mtp.safetensors"
+
+
+def save_with_mtp_head(head: MTPHead, target_dir: str | Path, out_dir: str | Path,
+                       dtype: torch.dtype | None = None) -> Path:
+    """A copy of the target's checkpoint directory (config, tokenizer, weights: byte for byte) whose mtp.*
+    weights are `head`'s: any the target had are left out of its files, and the head's go to a shard of their
+    own that the shard index (written where the target had a single file) names; `--speculator mtp` with
+    out_dir as the target then drafts with `head`."""
+    import shutil
+
+    from specdec.models.loader import INDEX_FILE, weight_files
+
+    target_dir, out_dir = Path(target_dir), Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for path in target_dir.iterdir():
+        if path.is_file():
+            shutil.copy2(path, out_dir / path.name)
+    weight_map = {}
+    for path in weight_files(out_dir):
+        if path.name != MTP_FILE:
+            weight_map.update(dict.fromkeys(_drop_mtp_tensors(path), path.name))
+    state = {PREFIX + k: (v if dtype is None else v.to(dtype)).detach().cpu().contiguous()
+             for k, v in head.state_dict().items()}
+    save_file(state, str(out_dir / MTP_FILE), metadata={"format": "pt"})
+    weight_map.update(dict.fromkeys(state, MTP_FILE))
+    total = sum((out_dir / name).stat().st_size for name in set(weight_map.values()))
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    (out_dir / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+    return out_dir
+
+
+def _drop_mtp_tensors(path: Path) -> list[str]:
+    """Rewrite the safetensors file at path without its mtp.* tensors (when it has any); the names it keeps."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        names, metadata = list(f.keys()), f.metadata()
+    kept = [n for n in names if not n.startswith(PREFIX)]
+    if len(kept) < len(names):
+        tensors = load_file(str(path))
+        save_file({n: tensors[n] for n in kept}, str(path), metadata=metadata)
+    return kept
 
 
 # ---------------------------------------------------------------------------------------------- tests, benchmarks

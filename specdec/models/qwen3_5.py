@@ -96,22 +96,30 @@ class GatedAttention(nn.Module):
             self.qkv = fuse([self.q_proj, self.k_proj, self.v_proj])
         return self.qkv is not None
 
-    def forward(self, x: torch.Tensor, rotary: PartialRotary, cos_sin: tuple[torch.Tensor, torch.Tensor],
-                batch: AttentionBatch, kv_cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        tokens = x.shape[0]
+    def heads(self, x: torch.Tensor, rotary: PartialRotary, cos_sin: tuple[torch.Tensor, torch.Tensor]):
+        """x [..., T, hidden] -> (q [..., T, H, D], k, v [..., T, Hkv, D], gate [..., T, H, D] or None): q and k
+        normed and rotated (cos_sin [T, 1, rot]).  Any leading dims: the training-time test runs [B, T]."""
+        lead = x.shape[:-1]
         q, k, v = self.qkv(x) if self.qkv is not None else (self.q_proj(x), self.k_proj(x), self.v_proj(x))
         gate = None
         if self.gated:  # per head: [query | gate], each head_dim wide
-            q, gate = q.view(tokens, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)  # [T, H, D] each
-        q = rotary.apply(self.q_norm(q.reshape(tokens, self.num_heads, self.head_dim)), cos_sin)
-        k = rotary.apply(self.k_norm(k.view(tokens, self.num_kv_heads, self.head_dim)), cos_sin)
-        v = v.view(tokens, self.num_kv_heads, self.head_dim)
+            q, gate = q.view(*lead, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)  # [..., H, D] each
+        q = rotary.apply(self.q_norm(q.reshape(*lead, self.num_heads, self.head_dim)), cos_sin)
+        k = rotary.apply(self.k_norm(k.view(*lead, self.num_kv_heads, self.head_dim)), cos_sin)
+        return q, k, v.view(*lead, self.num_kv_heads, self.head_dim), gate
+
+    def output(self, attended: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
+        """attended [..., H, D] (times sigmoid(gate) when gated) -> o_proj -> [..., hidden]."""
+        if gate is not None:
+            attended = attended * torch.sigmoid(gate)
+        return self.o_proj(attended.flatten(-2))
+
+    def forward(self, x: torch.Tensor, rotary: PartialRotary, cos_sin: tuple[torch.Tensor, torch.Tensor],
+                batch: AttentionBatch, kv_cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        q, k, v, gate = self.heads(x, rotary, cos_sin)
         k_cache, v_cache = kv_cache
         write_kv(k_cache, v_cache, k, v, batch.slot_mapping)
-        out = paged_attention(q, k_cache, v_cache, batch, self.scale).reshape(tokens, -1)  # [T, H*D]
-        if gate is not None:
-            out = out * torch.sigmoid(gate.reshape(tokens, -1))
-        return self.o_proj(out)
+        return self.output(paged_attention(q, k_cache, v_cache, batch, self.scale), gate)  # [T, H, D] attended
 
 
 class HybridDecoderLayer(nn.Module):

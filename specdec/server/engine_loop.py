@@ -12,7 +12,6 @@ import asyncio
 import dataclasses
 import logging
 import queue
-import sys
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -23,13 +22,6 @@ from specdec.engine.request import Request, TokenLogprobs
 from specdec.sampling import SamplingParams, top_logprobs
 
 log = logging.getLogger("specdec.server")
-
-# The engine thread shares the interpreter with the HTTP event loop.  Each time it comes back from waiting on
-# the GPU (a step's results, a speculative step's drafts) it must take the GIL back, and while the event loop
-# is busy (parsing, streaming 16-36 replies) Python hands it over only after the switch interval: 5 ms by
-# default, most of a decode step.  A speculative step waits on the GPU two or three times where a plain one
-# waits once, so that delay weighed on it most.  0.5 ms bounds each wait at a few percent of a step.
-ENGINE_SWITCH_INTERVAL_S = 0.0005
 
 
 class EngineUnavailable(RuntimeError):
@@ -103,7 +95,6 @@ class EngineLoop:
     # ------------------------------------------------------------------ lifecycle (any thread)
 
     def start(self) -> None:
-        sys.setswitchinterval(min(sys.getswitchinterval(), ENGINE_SWITCH_INTERVAL_S))
         self._thread.start()
 
     def shutdown(self, timeout: float = 10.0) -> None:

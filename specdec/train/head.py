@@ -1,18 +1,23 @@
-"""``specdec train head``: an EAGLE-3 draft head for a target, trained on the target's own continuations.
+"""``specdec train head``: a draft head for a target, trained on the target's own continuations: an EAGLE-3 head
+(``--kind eagle3``, the default) or a Qwen3.5 target's own MTP head (``--kind mtp``: train/mtp_head.py says what
+differs; the steps below are the same for both).
 
 1. Prompts from each ``--prompts`` source (train/data.py), checked against the held-out set (never trained on).
 2. Continuations by this project's engine: half the prompts greedy, half sampled at temperature 1 (each from a
    seed of its own), cached as shards under ``OUT/continuations-greedy/`` and ``OUT/continuations-t1/``.
-3. The draft vocabulary: the ``--draft-vocab`` most frequent tokens of the training sequences (d2t / t2d).
-4. Training: features (the target's residual stream entering its three feature layers) and the target's
-   next-token distributions from the live target, every batch; the training-time test (``train/head_loss.py``:
+3. The draft vocabulary: the ``--draft-vocab`` most frequent tokens of the training sequences (d2t / t2d);
+   an MTP head's is the target's whole vocabulary.
+4. Training: features (the target's residual stream entering its three feature layers; for MTP its
+   final-normed hidden state) and the target's next-token distributions from the live target, every batch;
+   the training-time test (``train/head_loss.py``, each head's steps in ``train/head_unroll.py``:
    ``--ttt-steps`` unrolled steps, a loss at each, the cross-entropy against the target's distribution, i.e.
    the KL up to a constant); AdamW, warm-up and cosine decay; a checkpoint every ``--checkpoint-every`` steps
    (a rerun with the same ``--out`` resumes); a progress bar.
 5. Held-out greedy acceptance per draft position (teacher-forced unrolling: step s at root r counts while
    steps 0..s - 1 matched, which is what greedy drafting accepts) at the start and end.
 6. Exports in the published EAGLE-3 layout: ``OUT/export/bf16`` and ``OUT/export/fp8``, each with
-   ``weights.sha256.json``; ``OUT/DATA_MANIFEST.md``, ``OUT/train_log.jsonl``, ``OUT/run.json``, ``OUT/result.json``.
+   ``weights.sha256.json`` (MTP: ``OUT/export/bf16``, a copy of the target with the trained mtp.* weights);
+   ``OUT/DATA_MANIFEST.md``, ``OUT/train_log.jsonl``, ``OUT/run.json``, ``OUT/result.json``.
 """
 
 from __future__ import annotations
@@ -24,10 +29,11 @@ import math
 import sys
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
+from torch import nn
 from tqdm import tqdm
 
 from specdec.models.eagle3 import Eagle3Head, default_feature_layers, random_head, save_eagle3_head
@@ -35,11 +41,13 @@ from specdec.models.fused import plain_kernels
 from specdec.train.checkpoint import Checkpoint, check_run_identity
 from specdec.train.data import (add_data_arguments, check_overlap, generate_continuations, load_or_make_heldout,
                                 load_prompt_sources)
-from specdec.train.head_loss import head_loss
+from specdec.train.head_loss import UnrolledHead, head_loss, unrolled_logits
+from specdec.train.head_unroll import Eagle3Unroll
 from specdec.train.lm import autocast, bar_interval, lr_factor, make_optimizer, pick_device
 from specdec.train.log import TrainLog
 
 FORMATS = ("bf16", "fp8")
+KINDS = ("eagle3", "mtp")
 
 
 @dataclasses.dataclass
@@ -69,12 +77,15 @@ class HeadRun:
     device: str | None = None
     formats: tuple[str, ...] = FORMATS
     drop_overlap: bool = False
+    kind: str = "eagle3"  # or "mtp": the target's own MTP head (train/mtp_head.py)
 
     def identity(self) -> dict[str, Any]:
-        return {"target": str(Path(self.target).resolve()), "sources": [str(Path(s).resolve()) for s in self.sources],
-                "n_prompts": self.n_prompts, "min_prompt": self.min_prompt, "max_prompt": self.max_prompt,
-                "max_new_tokens": self.max_new_tokens, "draft_vocab": self.draft_vocab, "seed": self.seed,
-                "seq_len": self.seq_len, "ttt_steps": self.ttt_steps}
+        identity = {"target": str(Path(self.target).resolve()),
+                    "sources": [str(Path(s).resolve()) for s in self.sources],
+                    "n_prompts": self.n_prompts, "min_prompt": self.min_prompt, "max_prompt": self.max_prompt,
+                    "max_new_tokens": self.max_new_tokens, "draft_vocab": self.draft_vocab, "seed": self.seed,
+                    "seq_len": self.seq_len, "ttt_steps": self.ttt_steps}
+        return identity if self.kind == "eagle3" else identity | {"kind": self.kind}  # eagle3 runs: as before
 
 
 # ---------------------------------------------------------------------------------------------- data
@@ -157,12 +168,14 @@ class TargetSignals:
         self.embedding = self.model.get_input_embeddings()
 
     @torch.no_grad()
-    def __call__(self, ids: torch.Tensor, draft_ids: torch.Tensor):
-        """ids [B, T] -> (embed [B, T, H]: the embedding of token p + 1 at row p; features [B, T, 3H]: the target's
-        states at p; target log-probs [B, T, V_draft]: its distribution at p + 1 over the draft vocabulary)."""
+    def __call__(self, ids: torch.Tensor, draft_ids: torch.Tensor | None):
+        """ids [B, T] -> (embed [B, T, H]: the embedding of token p + 1 at row p; features [B, T, len(layers) H]:
+        the target's states at p; target log-probs [B, T, V_draft]: its distribution at p + 1 over the draft
+        vocabulary, draft_ids, or the whole vocabulary when None)."""
         out = self.model(ids, output_hidden_states=True)
         features = torch.cat([out.hidden_states[j] for j in self.layers], dim=-1)
-        logprobs = out.logits[:, :, draft_ids].float().log_softmax(-1)
+        logits = out.logits if draft_ids is None else out.logits[:, :, draft_ids]
+        logprobs = logits.float().log_softmax(-1)
         nxt = torch.cat([ids[:, 1:], ids[:, -1:]], dim=1)
         return (self.embedding(nxt).float(), features.float(),
                 torch.cat([logprobs[:, 1:], logprobs[:, -1:]], dim=1))
@@ -172,20 +185,18 @@ class TargetSignals:
 
 
 @torch.no_grad()
-def heldout_acceptance(head: Eagle3Head, signals: TargetSignals, heldout: Sequence[dict], steps: int,
+def heldout_acceptance(head: UnrolledHead, signals: TargetSignals, heldout: Sequence[dict], steps: int,
                        batch_size: int = 16) -> list[float]:
     """Greedy acceptance per draft position on the held-out conversations: at position s, the share of chains
     whose drafts 0..s - 1 were all accepted that also get draft s right (teacher-forced unrolling equals
     greedy drafting while every earlier draft matched).  Only roots inside the continuation count."""
-    from specdec.train.head_loss import unrolled_logits
-
     reached, accepted = np.zeros(steps), np.zeros(steps)
     draft_ids = head.target_ids()
     for first in range(0, len(heldout), batch_size):
         convs = heldout[first:first + batch_size]
         seqs = [list(c["prompt"]) + list(c["continuation"]) for c in convs]
         width = max(len(s) for s in seqs)
-        ids = torch.zeros(len(seqs), width, dtype=torch.long, device=draft_ids.device)
+        ids = torch.zeros(len(seqs), width, dtype=torch.long, device=signals.embedding.weight.device)
         for i, s in enumerate(seqs):
             ids[i, :len(s)] = torch.tensor(s)
         embed, features, target = signals(ids, draft_ids)
@@ -205,23 +216,56 @@ def heldout_acceptance(head: Eagle3Head, signals: TargetSignals, heldout: Sequen
 # ---------------------------------------------------------------------------------------------- training
 
 
-def train(run: HeadRun, records: list[dict], heldout: list[dict], log: TrainLog, progress: bool = True) -> dict:
-    """The training loop (resumable); returns {steps, tokens, seconds, acceptance before/after, exports}."""
+@dataclasses.dataclass
+class HeadModel:
+    """What a run trains: the module (its parameters are what trains), its unrolling for the loss, the target's
+    side, and its export (out_dir, format) -> {dir, sha256}."""
+
+    module: nn.Module
+    unroll: UnrolledHead
+    signals: TargetSignals
+    feature_layers: tuple[int, ...]
+    vocab: int  # the draft vocabulary's size
+    start: str  # where the weights started: "random", or "target" (an MTP head the target shipped)
+    export: Callable[[Path, str], dict]
+
+
+def eagle3_model(run: HeadRun, sequences: list[np.ndarray], device: torch.device) -> HeadModel:
+    """A random EAGLE-3 head over the run's draft vocabulary (the most frequent tokens of the sequences)."""
     from specdec.models.loader import load_model
 
-    device = pick_device(run.device)
-    out = Path(run.out)
     small = load_model(run.target, device, torch.float32)
     layers = default_feature_layers(small.config.num_hidden_layers)
-    sequences = [np.asarray(r["prompt"] + r["continuation"], np.int64) for r in records if r["continuation"]]
     vocab = draft_vocabulary(sequences, small.config.vocab_size, run.draft_vocab)
     head = random_head(small, seed=run.seed, draft_vocab=len(vocab), feature_layers=layers)
     head = head.float().requires_grad_(True)
     head.embed_tokens = None  # the target's embedding comes with each batch; the export shares the target's
     set_vocabulary(head, vocab)
-    signals = TargetSignals(run.target, device, layers)
     del small
-    draft_ids = head.target_ids()
+    return HeadModel(head, Eagle3Unroll(head), TargetSignals(run.target, device, layers), layers, len(vocab),
+                     "random", lambda out_dir, fmt: export_head(head, out_dir, fmt))
+
+
+def mtp_model(run: HeadRun, device: torch.device) -> HeadModel:
+    """The target's MTP head (its own weights, or random ones where it ships none): train/mtp_head.py."""
+    from specdec.train.mtp_head import check_target, export_mtp, mtp_model as make
+
+    config = check_target(run.target)
+    layers = (config.num_hidden_layers,)  # the final-normed hidden state
+    signals = TargetSignals(run.target, device, layers)
+    head, unroll, start = make(run.target, signals, run.seed, device)
+    return HeadModel(head, unroll, signals, layers, config.vocab_size, start,
+                     lambda out_dir, fmt: export_mtp(head, run.target, out_dir, fmt))
+
+
+def train(run: HeadRun, records: list[dict], heldout: list[dict], log: TrainLog, progress: bool = True) -> dict:
+    """The training loop (resumable); returns {steps, tokens, seconds, acceptance before/after, exports}."""
+    device = pick_device(run.device)
+    out = Path(run.out)
+    sequences = [np.asarray(r["prompt"] + r["continuation"], np.int64) for r in records if r["continuation"]]
+    model = mtp_model(run, device) if run.kind == "mtp" else eagle3_model(run, sequences, device)
+    head, unroll, signals, layers = model.module, model.unroll, model.signals, model.feature_layers
+    draft_ids = unroll.target_ids()
     opt = make_optimizer(head, run.lr, 0.0, 0.95, device)
     ckpt = Checkpoint(out / "checkpoint")
     meta = ckpt.meta() if ckpt.exists() else {"step": 0, "tokens": 0, "seconds": 0.0, "history": []}
@@ -232,8 +276,8 @@ def train(run: HeadRun, records: list[dict], heldout: list[dict], log: TrainLog,
         log("resume", step=meta["step"], tokens=meta["tokens"])
     step, tokens, history = meta["step"], meta["tokens"], meta["history"]
     if step == 0:
-        history.append(log("eval", step=0, acceptance=heldout_acceptance(head.eval(), signals, heldout,
-                                                                          run.ttt_steps)))
+        head.eval()
+        history.append(log("eval", step=0, acceptance=heldout_acceptance(unroll, signals, heldout, run.ttt_steps)))
     head.train()
     budget_s = run.max_minutes * 60 if run.max_minutes else math.inf
     started, elapsed0 = time.monotonic(), meta["seconds"]
@@ -254,7 +298,7 @@ def train(run: HeadRun, records: list[dict], heldout: list[dict], log: TrainLog,
             ids, lengths = batcher.next(device)
             embed, features, target = signals(ids, draft_ids)
             with autocast(device):
-                loss, accuracy = head_loss(head, embed, features, target, lengths, run.ttt_steps, run.decay)
+                loss, accuracy = head_loss(unroll, embed, features, target, lengths, run.ttt_steps, run.decay)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
@@ -269,13 +313,14 @@ def train(run: HeadRun, records: list[dict], heldout: list[dict], log: TrainLog,
     bar.close()
     save()
     head.eval()
-    history.append(log("eval", step=step, acceptance=heldout_acceptance(head, signals, heldout, run.ttt_steps)))
+    history.append(log("eval", step=step, acceptance=heldout_acceptance(unroll, signals, heldout, run.ttt_steps)))
     save()
-    exports = {fmt: export_head(head, out / "export" / fmt, fmt) for fmt in run.formats}
+    exports = {fmt: model.export(out / "export" / fmt, fmt) for fmt in run.formats}
     for fmt, e in exports.items():
         log("export", format=fmt, dir=e["dir"], sha256=e["sha256"])
     return {"steps": step, "tokens": tokens, "seconds": round(elapsed0 + time.monotonic() - started, 1),
-            "feature_layers": list(layers), "draft_vocab": len(vocab), "history": history, "exports": exports}
+            "feature_layers": list(layers), "draft_vocab": model.vocab, "start": model.start, "history": history,
+            "exports": exports}
 
 
 def export_head(head: Eagle3Head, out_dir: Path, fmt: str) -> dict:
@@ -304,7 +349,7 @@ def write_manifest(run: HeadRun, sources: list[dict], heldout_info: dict, record
     greedy = [r for r in records if not r["sampled"]]
     sampled = [r for r in records if r["sampled"]]
     lines = [
-        "# DATA_MANIFEST (EAGLE-3 head)", "",
+        f"# DATA_MANIFEST ({'MTP' if run.kind == 'mtp' else 'EAGLE-3'} head)", "",
         f"Written by `specdec train head` (specdec.train.head) for the target `{run.target}`.", "",
         "## Training data", "",
         "| source | kind | split | prompts | how |", "| --- | --- | --- | ---: | --- |",
@@ -317,8 +362,7 @@ def write_manifest(run: HeadRun, sources: list[dict], heldout_info: dict, record
         f"conversations, {heldout_info['tokens']} continuation tokens; {heldout_info['how']}",
         "- Overlap check: no training prompt equals, is a prefix of or extends a held-out prompt.", "",
         "## Head", "",
-        f"- Feature layers {summary['feature_layers']}, draft vocabulary {summary['draft_vocab']} tokens (the most "
-        "frequent of the training sequences), training-time test of "
+        f"- {head_description(run, summary)}, training-time test of "
         f"{run.ttt_steps} steps (decay {run.decay}), {summary['steps']} steps, {summary['tokens']} tokens, "
         f"{summary['seconds']} s.",
         *[f"- Export {fmt}: `{e['dir']}`, sha256 {json.dumps(e['sha256'])}" for fmt, e in summary["exports"].items()],
@@ -329,7 +373,29 @@ def write_manifest(run: HeadRun, sources: list[dict], heldout_info: dict, record
     return path
 
 
+def head_description(run: HeadRun, summary: dict) -> str:
+    if run.kind == "mtp":
+        start = "the target's own mtp.* weights" if summary["start"] == "target" else f"random weights (seed {run.seed})"
+        return (f"The target's MTP head (mtp.* only; embedding and LM head the target's, frozen), started from "
+                f"{start}, feature layer {summary['feature_layers']} (the final-normed hidden state), the target's "
+                f"whole vocabulary ({summary['draft_vocab']} tokens)")
+    return (f"Feature layers {summary['feature_layers']}, draft vocabulary {summary['draft_vocab']} tokens (the most "
+            "frequent of the training sequences)")
+
+
+def check_kind(run: HeadRun) -> None:
+    """Refuse, before any work, a run whose kind does not fit its target or formats."""
+    if run.kind not in KINDS:
+        raise ValueError(f"kind {run.kind!r}: one of {KINDS}")
+    if run.kind == "mtp":
+        from specdec.train.mtp_head import check_formats, check_target
+
+        check_target(run.target)
+        check_formats(run.formats)
+
+
 def run_pipeline(run: HeadRun, progress: bool = True) -> dict:
+    check_kind(run)
     out = Path(run.out)
     out.mkdir(parents=True, exist_ok=True)
     check_run_identity(run)
@@ -339,7 +405,8 @@ def run_pipeline(run: HeadRun, progress: bool = True) -> dict:
     write_manifest(run, sources, heldout_info, records, summary)
     history = summary["history"]
     result = {"acceptance_before": history[0]["acceptance"], "acceptance_after": history[-1]["acceptance"],
-              **{k: summary[k] for k in ("steps", "tokens", "seconds", "feature_layers", "draft_vocab", "exports")}}
+              **{k: summary[k] for k in ("steps", "tokens", "seconds", "feature_layers", "draft_vocab", "start",
+                                         "exports")}}
     (out / "result.json").write_text(json.dumps(result, indent=1) + "\n")
     return result
 
@@ -349,8 +416,12 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(prog="specdec train head", description=__doc__.split("\n")[0])
     parser.add_argument("--target", required=True, help="target model directory or short name (ref-target)")
+    parser.add_argument("--kind", choices=KINDS, default="eagle3",
+                        help="eagle3: an EAGLE-3 head (exports in its published layout); mtp: a Qwen3.5 target's own "
+                             "MTP head, from its mtp.* weights or random (exported into a copy of the target)")
     add_data_arguments(parser, 4000, "prompts per corpus source (half greedy, half sampled at temperature 1)")
-    parser.add_argument("--draft-vocab", type=int, default=None, help="draft vocabulary size (default: the target's)")
+    parser.add_argument("--draft-vocab", type=int, default=None,
+                        help="draft vocabulary size (default: the target's; eagle3 only)")
     parser.add_argument("--ttt-steps", type=int, default=7, help="training-time test: unrolled steps (>= 1)")
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--batch-size", type=int, default=32)
@@ -360,13 +431,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--checkpoint-every", type=int, default=200)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default=None)
-    parser.add_argument("--formats", nargs="+", default=list(FORMATS), choices=FORMATS)
+    parser.add_argument("--formats", nargs="+", default=None, choices=FORMATS,
+                        help="exports (default: bf16 fp8 for eagle3, bf16 for mtp, its only one)")
     parser.add_argument("--drop-overlap", action="store_true",
                         help="leave out training prompts that overlap the held-out set (default: refuse to run)")
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
     if args.ttt_steps < 1 or args.max_steps < 1:
         parser.error("--ttt-steps and --max-steps must be at least 1")
+    if args.kind == "mtp" and args.draft_vocab is not None:
+        parser.error("--draft-vocab is for --kind eagle3: an MTP head drafts over the target's whole vocabulary")
+    formats = args.formats or (["bf16"] if args.kind == "mtp" else list(FORMATS))
     target = model_dir_arg(parser, "--target", args.target)
     run = HeadRun(target, args.prompts, args.out, heldout=args.heldout, heldout_limit=args.heldout_limit,
                   heldout_max_tokens=args.max_new_tokens, n_prompts=args.n_prompts, min_prompt=args.min_prompt,
@@ -375,7 +450,7 @@ def main(argv: list[str] | None = None) -> int:
                   draft_vocab=args.draft_vocab, ttt_steps=args.ttt_steps, seq_len=args.seq_len,
                   batch_size=args.batch_size, lr=args.lr, max_steps=args.max_steps, max_minutes=args.max_minutes,
                   checkpoint_every=args.checkpoint_every, seed=args.seed, device=args.device,
-                  formats=tuple(args.formats), drop_overlap=args.drop_overlap)
+                  formats=tuple(formats), drop_overlap=args.drop_overlap, kind=args.kind)
     result = run_pipeline(run, progress=not args.no_progress)
     print(json.dumps({k: result[k] for k in ("acceptance_before", "acceptance_after", "steps", "tokens", "seconds")}))
     return 0

@@ -1,4 +1,4 @@
-"""The EAGLE-3 training-time test: the head unrolled on its own states for several steps, a loss at each.
+"""The training-time test (EAGLE-3 and MTP heads alike): the head unrolled on its own states for several steps, a loss at each.
 
 While drafting, a chain rooted at position r (the head has read the target's states up to r) runs step s
 at position r + s: the token input is the draft for position r + s + 1 and the state input is the head's
@@ -17,16 +17,36 @@ distribution at p + 1 over the draft vocabulary (the KL up to a constant), weigh
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 import torch.nn.functional as F
 
-from specdec.models.eagle3 import Eagle3Head
+from specdec.models.fused import plain_kernels
 
 
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [B, T, heads, D] by cos/sin [T, 1, D] (rotate-half, as models/fused.rotate)."""
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
+class UnrolledHead(Protocol):
+    """What the unrolling needs of a head (train/head_unroll.py: EAGLE-3's, MTP's), on [B, T] batches."""
+
+    scale: float  # the attention's softmax scale
+
+    def rotary(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [T, 1, rot] for positions [T]."""
+
+    def first_state(self, features: torch.Tensor) -> torch.Tensor:
+        """The target's features [B, T, F] -> step 0's state input [B, T, H]."""
+
+    def heads(self, embed: torch.Tensor, state: torch.Tensor, cos_sin) -> tuple[torch.Tensor, ...]:
+        """(q [B, T, Hq, D], k, v [B, T, Hkv, D], carry: what finish needs) of one step's attention."""
+
+    def finish(self, attended: torch.Tensor, carry) -> torch.Tensor:
+        """The attention's output [B, T, Hq, D] -> the step's output [B, T, H], the state the next step reads."""
+
+    def logits(self, output: torch.Tensor) -> torch.Tensor:
+        """A step's output [B, T, H] -> logits [B, T, V_draft]."""
+
+    def target_ids(self) -> torch.Tensor | None:
+        """[V_draft] the target id of each draft id; None: the draft vocabulary is the target's."""
 
 
 def shift(x: torch.Tensor, n: int) -> torch.Tensor:
@@ -36,32 +56,24 @@ def shift(x: torch.Tensor, n: int) -> torch.Tensor:
     return torch.cat([x.new_zeros(x.shape[0], n, *x.shape[2:]), x[:, :-n]], dim=1)
 
 
-def unrolled_logits(head: Eagle3Head, embed: torch.Tensor, features: torch.Tensor, steps: int) -> list[torch.Tensor]:
-    """embed [B, T, H] (the embedding of token p + 1 at row p), features [B, T, 3 H_target] (the target's at p)
+def unrolled_logits(head: UnrolledHead, embed: torch.Tensor, features: torch.Tensor,
+                    steps: int) -> list[torch.Tensor]:
+    """embed [B, T, H] (the embedding of token p + 1 at row p), features [B, T, F] (the target's at p)
     -> per step s < steps the head's logits [B, T, V_draft] at every position (rows p < s are meaningless)."""
-    layer, attn = head.midlayer, head.midlayer.self_attn
     batch, tokens, _ = embed.shape
-    heads, kv_heads, dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
     positions = torch.arange(tokens, device=embed.device)
-    cos, sin = (t.to(embed.dtype) for t in head.rotary.lookup(positions, embed.dtype))  # [T, 1, D]
-    normed_embed = layer.input_layernorm(embed)
-    state = head.fc(features)  # step 0's states [B, T, H]
-    keys, values, out = [], [], []
     causal = positions[None, :] <= positions[:, None]  # [T(query), T(key)]
-    for s in range(steps):
-        normed = layer.hidden_norm(state)
-        residual = normed if head.config.norm_before_residual else state
-        x = torch.cat([normed_embed, normed], dim=-1)  # [B, T, 2H]
-        q = rotate(attn.q_proj(x).view(batch, tokens, heads, dim), cos, sin)
-        k = rotate(attn.k_proj(x).view(batch, tokens, kv_heads, dim), cos, sin)
-        v = attn.v_proj(x).view(batch, tokens, kv_heads, dim)
-        keys.append(k)
-        values.append(v)
-        attended = _chain_attention(q, keys, values, causal, s, attn.scale)  # [B, T, heads, D]
-        residual, h = layer.post_attention_layernorm.add_forward(residual, attn.o_proj(attended.flatten(2)))
-        prenorm = residual + layer.mlp(h)  # [B, T, H]
-        out.append(head.logits(prenorm))
-        state = shift(prenorm, 1)  # step s + 1 at p reads step s's output at p - 1
+    keys, values, out = [], [], []
+    with plain_kernels():  # the plain pieces take [B, T, ...] as well as [T, ...]
+        cos_sin = head.rotary(positions, embed.dtype)
+        state = head.first_state(features)  # step 0's states [B, T, H]
+        for s in range(steps):
+            q, k, v, carry = head.heads(embed, state, cos_sin)  # [B, T, Hq | Hkv, D]
+            keys.append(k)
+            values.append(v)
+            output = head.finish(_chain_attention(q, keys, values, causal, s, head.scale), carry)  # [B, T, H]
+            out.append(head.logits(output))
+            state = shift(output, 1)  # step s + 1 at p reads step s's output at p - 1
     return out
 
 
@@ -90,7 +102,7 @@ def _chain_attention(q, keys, values, causal, s: int, scale: float) -> torch.Ten
     return out
 
 
-def head_loss(head: Eagle3Head, embed: torch.Tensor, features: torch.Tensor, target_logprobs: torch.Tensor,
+def head_loss(head: UnrolledHead, embed: torch.Tensor, features: torch.Tensor, target_logprobs: torch.Tensor,
               lengths: torch.Tensor, steps: int, decay: float = 0.8) -> tuple[torch.Tensor, list[float]]:
     """(the weighted loss, per-step accuracy of the argmax against the target's).
 
