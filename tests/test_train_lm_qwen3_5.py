@@ -1,6 +1,7 @@
 """The pre-training pipeline (specdec.train.lm) with ``--arch qwen3_5``: a tiny Qwen3.5-shaped hybrid trained a
-few steps on a tiny corpus lowers its loss, is saved in the text-only layout, loads in the engine, and the
-engine's greedy output equals transformers' greedy generate on it. ``--arch`` defaults to Qwen3 as before."""
+few steps on a tiny corpus lowers its loss, is saved in the text-only layout, loads in the engine, the engine's
+greedy output equals transformers' greedy generate on it, and it feeds the MTP head training. ``--arch`` defaults
+to Qwen3 as before."""
 
 from __future__ import annotations
 
@@ -37,6 +38,12 @@ def write_corpus(path: Path) -> Path:
         (path / shard).write_text("\n".join(lines) + "\n")
         manifest["splits"][split] = {"shards": [shard]}
     (path / "manifest.json").write_text(json.dumps(manifest))
+    return path
+
+
+def write_jsonl(path: Path, texts: list[str]) -> Path:
+    """Prompt records ``{"id", "prompt"}`` of ``texts``, one a line."""
+    path.write_text("".join(json.dumps({"id": f"{path.stem}-{i}", "prompt": t}) + "\n" for i, t in enumerate(texts)))
     return path
 
 
@@ -107,6 +114,29 @@ def test_engine_scores_equal_transformers_log_probs(trained):
         logp = hf(torch.tensor([ids])).logits[0].log_softmax(-1)  # [T, V]
     ref = logp[torch.arange(len(ids) - 1), torch.tensor(ids[1:])]
     assert (torch.tensor(llm.score([ids])[0]) - ref).abs().max().item() < 1e-4
+
+
+def test_checkpoint_feeds_the_mtp_head_training(trained, tmp_path):
+    """The next step to ref-hybrid: ``train head --kind mtp`` on the checkpoint (no mtp.*: a random head
+    starts), whose export drafts with ``--speculator mtp`` and decodes exactly as the target alone."""
+    from specdec.speculate import SpecConfig
+    from specdec.train import head as pipeline
+
+    path, _ = trained
+    texts = [f.read_text()[:400] for f in sorted((REPO / "specdec" / "train").glob("*.py"))]
+    prompts, heldout = tmp_path / "train.jsonl", tmp_path / "heldout.jsonl"
+    write_jsonl(prompts, texts[:8])
+    write_jsonl(heldout, [t[-200:] for t in texts[-2:]])
+    run = pipeline.HeadRun(str(path), [str(prompts)], str(tmp_path / "mtp"), heldout=str(heldout), kind="mtp",
+                           heldout_max_tokens=12, max_new_tokens=12, gen_batch_size=8, ttt_steps=2, seq_len=64,
+                           batch_size=4, lr=3e-3, max_steps=6, warmup_steps=2, device="cpu", formats=("bf16",))
+    export = pipeline.run_pipeline(run, progress=False)["exports"]["bf16"]["dir"]
+    greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    ids = LLM(path, device="cpu", kv_cache_tokens=1024, block_size=4).encode(texts[0][:200])
+    plain = LLM(export, device="cpu", kv_cache_tokens=1024, block_size=4).generate([ids], greedy)[0].token_ids
+    spec = LLM(export, device="cpu", kv_cache_tokens=1024, block_size=4,
+               speculator=SpecConfig("mtp", num_draft_tokens=2)).generate([ids], greedy)[0].token_ids
+    assert spec == plain
 
 
 def test_hybrid_shape_defaults_and_config():
