@@ -36,7 +36,7 @@ def text_loss(model, tokenizer, texts: list[str], max_tokens: int = 512) -> tupl
     """Mean next-token cross-entropy over the texts (each cut to max_tokens), and the tokens scored."""
     total, count = 0.0, 0
     for text in texts:
-        ids = torch.tensor([tokenizer.encode(text).ids[:max_tokens]])
+        ids = torch.tensor([tokenizer.encode(text).ids[:max_tokens]], device=next(model.parameters()).device)
         if ids.shape[1] < 2:
             continue
         with torch.no_grad():

@@ -8,7 +8,7 @@ import importlib
 COMMANDS = {
     "corpus": ("specdec.data.corpus", "build the text corpus (Python sources of installed packages)"),
     "tokenizer": ("specdec.data.bpe", "train a byte-level BPE tokenizer on a corpus"),
-    "lm": ("specdec.train.lm", "pre-train a small Qwen3-architecture model"),
+    "lm": ("specdec.train.lm", "pre-train a small Qwen3 model (--arch qwen3_5: a Qwen3.5 hybrid)"),
     "distill": ("specdec.train.distill", "distill a drafter from a target's greedy continuations"),
     "drafter": ("specdec.train.drafter", "the drafter pipeline: engine continuations, training, QAT, exports"),
     "head": ("specdec.train.head", "an EAGLE-3 head or a Qwen3.5 MTP head (--kind mtp): engine continuations, training-time test, exports"),

@@ -1,4 +1,6 @@
-"""Pre-training a small Qwen3 causal LM on a tokenised corpus (``transformers.Qwen3ForCausalLM``).
+"""Pre-training a small causal LM on a tokenised corpus: a Qwen3 (``transformers.Qwen3ForCausalLM``) or,
+with ``--arch qwen3_5``, a Qwen3.5-shaped hybrid (``transformers.Qwen3_5ForCausalLM``, specdec.train.hybrid).
+The architecture only decides which config and model are built; the data, loop and checkpoint are the same.
 
 Documents are joined with EOS into one token stream; a training batch is ``batch_size`` random windows of
 ``seq_len + 1`` tokens from it (inputs ``[:, :-1]``, targets ``[:, 1:]``). AdamW with linear warmup and a
@@ -9,7 +11,7 @@ the batch order depend only on ``seed`` (a run cut by ``max_seconds`` stops at a
 The checkpoint is a standard Hugging Face directory: ``config.json``, bf16 ``model*.safetensors`` (sharded
 with an index above ``max_shard_size``), ``generation_config.json`` and the tokenizer files.
 
-CLI: ``python -m specdec.train.lm --corpus DIR --tokenizer DIR --out DIR [--max-minutes M] ...``
+CLI: ``python -m specdec.train.lm --corpus DIR --tokenizer DIR --out DIR [--arch qwen3_5] [--max-minutes M] ...``
 """
 
 from __future__ import annotations
@@ -49,14 +51,14 @@ class ModelShape:
 
 
 TARGET_SHAPE = ModelShape()
+ARCHS = ("qwen3", "qwen3_5")
 DRAFT_SHAPE = ModelShape(hidden_size=256, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=64, intermediate_size=768)
 
 
-def qwen3_config(shape: ModelShape, vocab_size: int, eos_token_id: int, pad_token_id: int | None = None):
-    """A ``transformers.Qwen3Config`` for ``shape`` (default RoPE, no sliding window, no bias)."""
-    from transformers import Qwen3Config
-
-    return Qwen3Config(
+def config_kwargs(shape: ModelShape, vocab_size: int, eos_token_id: int, pad_token_id: int | None = None) -> dict:
+    """The transformers config fields every architecture takes from a ``ModelShape`` (no BOS; pad = EOS unless
+    given). ``rope_parameters`` holds default RoPE at ``rope_theta``; an architecture may add to it."""
+    return dict(
         vocab_size=vocab_size,
         hidden_size=shape.hidden_size,
         intermediate_size=shape.intermediate_size,
@@ -67,20 +69,45 @@ def qwen3_config(shape: ModelShape, vocab_size: int, eos_token_id: int, pad_toke
         max_position_embeddings=shape.max_position_embeddings,
         rope_parameters={"rope_type": "default", "rope_theta": float(shape.rope_theta)},
         tie_word_embeddings=shape.tie_word_embeddings,
-        use_sliding_window=False,
         bos_token_id=None,
         eos_token_id=eos_token_id,
         pad_token_id=eos_token_id if pad_token_id is None else pad_token_id,
-        architectures=["Qwen3ForCausalLM"],
     )
 
 
+def qwen3_config(shape: ModelShape, vocab_size: int, eos_token_id: int, pad_token_id: int | None = None):
+    """A ``transformers.Qwen3Config`` for ``shape`` (default RoPE, no sliding window, no bias)."""
+    from transformers import Qwen3Config
+
+    return Qwen3Config(**config_kwargs(shape, vocab_size, eos_token_id, pad_token_id), use_sliding_window=False,
+                       architectures=["Qwen3ForCausalLM"])
+
+
+def target_shape(arch: str) -> ModelShape:
+    """The default target shape of ``arch`` (``qwen3``: ref-target's; ``qwen3_5``: the hybrid's)."""
+    if arch not in ARCHS:
+        raise ValueError(f"unknown architecture {arch!r}: choose one of {', '.join(ARCHS)}")
+    if arch == "qwen3_5":
+        from specdec.train.hybrid import HYBRID_TARGET_SHAPE
+
+        return HYBRID_TARGET_SHAPE
+    return TARGET_SHAPE
+
+
+def model_config(shape: ModelShape, vocab_size: int, eos_token_id: int, pad_token_id: int | None = None):
+    """The transformers config of ``shape``: Qwen3.5 text for a ``HybridShape``, Qwen3 otherwise."""
+    from specdec.train.hybrid import HybridShape, qwen3_5_config
+
+    build = qwen3_5_config if isinstance(shape, HybridShape) else qwen3_config
+    return build(shape, vocab_size, eos_token_id, pad_token_id)
+
+
 def new_model(config, seed: int = 0):
-    """A freshly initialised ``Qwen3ForCausalLM`` (float32); the weights depend only on ``seed``."""
-    from transformers import Qwen3ForCausalLM
+    """A freshly initialised model of ``config.architectures[0]`` (float32); the weights depend only on ``seed``."""
+    import transformers
 
     torch.manual_seed(seed)
-    return Qwen3ForCausalLM(config)
+    return getattr(transformers, config.architectures[0])(config)
 
 
 def count_params(model: torch.nn.Module) -> int:
@@ -168,7 +195,7 @@ def eval_windows(stream: np.ndarray, seq_len: int, max_windows: int) -> torch.Te
 
 def lm_loss(model, batch: torch.Tensor) -> torch.Tensor:
     """Mean next-token cross-entropy of ``batch`` ``[B, T+1]`` (float32 loss, whatever the autocast)."""
-    logits = model(input_ids=batch[:, :-1]).logits  # [B, T, V]
+    logits = model(input_ids=batch[:, :-1], use_cache=False).logits  # [B, T, V]
     return F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten())
 
 
@@ -378,7 +405,7 @@ def dir_bytes(path: Path | str) -> int:
 
 def add_shape_args(parser: argparse.ArgumentParser, shape: ModelShape, prefix: str = "") -> None:
     """``--{prefix}hidden-size`` etc. with ``shape``'s values as defaults."""
-    for field in dataclasses.fields(ModelShape):
+    for field in dataclasses.fields(shape):
         flag = f"--{prefix}{field.name.replace('_', '-')}"
         default = getattr(shape, field.name)
         if isinstance(default, bool):
@@ -387,10 +414,10 @@ def add_shape_args(parser: argparse.ArgumentParser, shape: ModelShape, prefix: s
             parser.add_argument(flag, type=type(default), default=default)
 
 
-def shape_from_args(args: argparse.Namespace, prefix: str = "") -> ModelShape:
-    """The ``ModelShape`` given by ``add_shape_args`` flags."""
+def shape_from_args(args: argparse.Namespace, prefix: str = "", cls: type = ModelShape) -> ModelShape:
+    """The shape (a ``cls``: ``ModelShape`` or a subclass) given by ``add_shape_args`` flags."""
     key = prefix.replace("-", "_")
-    return ModelShape(**{f.name: getattr(args, key + f.name) for f in dataclasses.fields(ModelShape)})
+    return cls(**{f.name: getattr(args, key + f.name) for f in dataclasses.fields(cls)})
 
 
 def add_train_args(parser: argparse.ArgumentParser, defaults: TrainConfig) -> None:
@@ -426,27 +453,37 @@ def pretrain(corpus_dir: Path | str, tokenizer_dir: Path | str, out_dir: Path | 
     ids = special_ids(tok)
     train = pack_documents(load_corpus_tokens(corpus_dir, tok, "train"), ids["eos"])
     heldout = pack_documents(load_corpus_tokens(corpus_dir, tok, "heldout"), ids["eos"])
-    model = new_model(qwen3_config(shape, tok.get_vocab_size(), ids["eos"]), cfg.seed)
+    model = new_model(model_config(shape, tok.get_vocab_size(), ids["eos"]), cfg.seed)
     result = train_lm(model, train, heldout, cfg)
     save_checkpoint(model, out_dir, tokenizer_dir, max_shard_size, extra_eos_ids=[ids["im_end"]])
     result["params"] = count_params(model)
     return result
 
 
+def arch_parser() -> argparse.ArgumentParser:
+    """A parent parser with ``--arch`` alone: read first, since the shape flags and defaults depend on it."""
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--arch", choices=ARCHS, default="qwen3",
+                        help="qwen3 (ref-target's) or qwen3_5 (a Qwen3.5-shaped hybrid); sets the shape defaults")
+    return parser
+
+
 def main(argv: list[str] | None = None) -> int:
     """CLI (the lead wires it as ``specdec train lm``)."""
-    parser = argparse.ArgumentParser(prog="specdec train lm", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="specdec train lm", description=__doc__.split("\n")[0],
+                                     parents=[arch_parser()])
     parser.add_argument("--corpus", required=True, help="corpus directory (python -m specdec.data.corpus)")
     parser.add_argument("--tokenizer", required=True, help="directory with tokenizer.json (python -m specdec.data.bpe)")
     parser.add_argument("--out", required=True, help="output checkpoint directory")
     parser.add_argument("--max-shard-size", default="2GB")
-    add_shape_args(parser, TARGET_SHAPE)
+    shape = target_shape(arch_parser().parse_known_args(argv)[0].arch)
+    add_shape_args(parser, shape)
     add_train_args(parser, TrainConfig())
     args = parser.parse_args(argv)
     if args.max_steps is None and args.max_minutes is None:
         parser.error("give --max-steps or --max-minutes")
-    result = pretrain(args.corpus, args.tokenizer, args.out, shape_from_args(args), train_config_from_args(args),
-                      args.max_shard_size)
+    result = pretrain(args.corpus, args.tokenizer, args.out, shape_from_args(args, cls=type(shape)),
+                      train_config_from_args(args), args.max_shard_size)
     print(f"params {result['params']}  steps {result['steps']}  tokens {result['tokens']}  "
           f"held-out loss {result['final_heldout_loss']:.4f}  saved to {args.out}")
     return 0
