@@ -33,7 +33,7 @@ import torch
 
 from specdec.errors import ConfigError
 from specdec.models.config import ModelConfig
-from specdec.models.loader import _attach_rotary
+from specdec.models.loader import Model, _attach_rotary, model_class
 from specdec.models.transformer import CausalLM
 
 SHAPES = {  # the public Qwen3 configurations' shapes
@@ -43,6 +43,12 @@ SHAPES = {  # the public Qwen3 configurations' shapes
                        num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True),
     "qwen3-0.6b": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
                        num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True),
+    # Qwen3.5-27B's text model (docs/TWINS.md gives the sources); rope_theta and M-RoPE stay the small model's
+    "qwen3.5-27b": dict(hidden_size=5120, intermediate_size=17408, num_hidden_layers=64, num_attention_heads=24,
+                        num_key_value_heads=4, head_dim=256, partial_rotary_factor=0.25, linear_num_key_heads=16,
+                        linear_num_value_heads=48, linear_key_head_dim=128, linear_value_head_dim=128,
+                        linear_conv_kernel_dim=4, layer_types=(("linear_attention",) * 3 + ("full_attention",)) * 16,
+                        vocab_size=248320, tie_word_embeddings=False),
 }
 LOGIT_MARGIN = 60.0  # padded-vocabulary logits sit at least this far below the real ones
 CONSTANT_SCALE = 1e-3  # c relative to the smallest embedding norm
@@ -54,8 +60,8 @@ def twin_config(small: ModelConfig, shape: dict) -> ModelConfig:
     # (exact for the hidden norms; q/k norms shrink by d/D and keep a relative eps error below 1e-5)
     big = dataclasses.replace(big, rms_norm_eps=small.rms_norm_eps * small.hidden_size / big.hidden_size)
     problems = []
-    if big.architecture != "qwen3":
-        problems.append("only Qwen3 models have twins so far")
+    if big.architecture not in ("qwen3", "qwen3_5"):
+        problems.append("only Qwen3 and Qwen3.5 models have twins so far")
     if big.hidden_size < small.hidden_size + 1:
         problems.append("the twin's hidden size must exceed the model's by at least 1")
     for name in ("intermediate_size", "num_hidden_layers", "vocab_size", "num_key_value_heads"):
@@ -65,23 +71,45 @@ def twin_config(small: ModelConfig, shape: dict) -> ModelConfig:
         problems.append(f"query heads per kv head {big.num_query_groups} < {small.num_query_groups}")
     if big.tie_word_embeddings and not small.tie_word_embeddings:
         problems.append("a twin with tied embeddings needs a model with tied embeddings")
-    if big.head_dim % small.head_dim:
-        problems.append(f"head_dim {big.head_dim} is not a multiple of {small.head_dim}")
+    if big.rotary_dim % small.rotary_dim or big.head_dim - big.rotary_dim < small.head_dim - small.rotary_dim:
+        problems.append(f"head_dim {big.head_dim} (rotary {big.rotary_dim}) is not a multiple of {small.head_dim} "
+                        f"(rotary {small.rotary_dim}) with room for its unrotated dims")
+    if big.is_hybrid and small.architecture != "qwen3_5":
+        problems.append("a Qwen3.5 shape needs a Qwen3.5 model")
+    if big.architecture == "qwen3_5":
+        from specdec.models.twin_qwen3_5 import hybrid_problems
+
+        problems += hybrid_problems(small, big, shape)
     if problems:
         raise ConfigError("cannot build this twin: " + "; ".join(problems))
     return big
 
 
-def head_dim_map(small_d: int, big_d: int) -> torch.Tensor:
-    """[d] twin head dimension of each small head dimension, keeping the rotary pairs and frequencies."""
-    half, scale = small_d // 2, big_d // small_d
+def head_dim_map(small_d: int, big_d: int, small_rot: int | None = None, big_rot: int | None = None) -> torch.Tensor:
+    """[d] twin head dimension of each small head dimension, keeping the rotary pairs and frequencies.
+
+    The first r (small_rot, default d) dims are rotated in rotate-half pairs (i, i + r/2) at frequency
+    theta^(-2i/r); with s = R/r, small pair i becomes twin pair s*i, of frequency theta^(-2si/R): the same.
+    Unrotated dims follow R with stride (D - R) / (d - r).  Example, d = 8, r = 4, D = 16, R = 8 (s = 2):
+    rotary [0, 1 | 2, 3] -> [0, 2 | 4, 6]; unrotated [4, 5, 6, 7] -> 8 + 2 * [0, 1, 2, 3] = [8, 10, 12, 14]."""
+    r, big_r = small_rot or small_d, big_rot or big_d
+    half, scale = r // 2, big_r // r
+    stride = (big_d - big_r) // (small_d - r) if small_d > r else 1
     i = torch.arange(small_d)
-    return torch.where(i < half, scale * i, big_d // 2 + scale * (i - half))
+    rotated = torch.where(i < half, scale * i, big_r // 2 + scale * (i - half))
+    return torch.where(i < r, rotated, big_r + stride * (i - r))
+
+
+def grouped_head_map(heads: int, small_group: int, big_group: int) -> torch.Tensor:
+    """[heads] twin head of each small head when heads come in groups sharing one kv (or key) head: head j of
+    group g = j // small_group becomes g * big_group + j % small_group.  Example, 4 heads in groups of 2 into
+    groups of 3: [0, 1, 2, 3] -> [0, 1, 3, 4]."""
+    j = torch.arange(heads)
+    return (j // small_group) * big_group + j % small_group
 
 
 def q_head_map(small: ModelConfig, big: ModelConfig) -> torch.Tensor:
-    j = torch.arange(small.num_attention_heads)
-    return (j // small.num_query_groups) * big.num_query_groups + j % small.num_query_groups
+    return grouped_head_map(small.num_attention_heads, small.num_query_groups, big.num_query_groups)
 
 
 def _rows(heads: torch.Tensor, dims: torch.Tensor, big_d: int) -> torch.Tensor:
@@ -90,15 +118,25 @@ def _rows(heads: torch.Tensor, dims: torch.Tensor, big_d: int) -> torch.Tensor:
 
 
 class _Builder:
-    def __init__(self, small: CausalLM, big_config: ModelConfig, noise: float, device, dtype):
-        self.s, self.sc, self.bc = small, small.config, big_config
+    """Pads the parts one layer is made of.  Methods take the small weight's name prefix `src` and the twin's
+    `dst` (the same for a model; an MTP head's small weights come from its own module)."""
+
+    def __init__(self, small: torch.nn.Module, small_config: ModelConfig, big_config: ModelConfig, noise: float,
+                 device, dtype):
+        self.s, self.sc, self.bc = small, small_config, big_config
         self.noise, self.device, self.dtype = noise, device, dtype
         self.gen = torch.Generator(device=device).manual_seed(0)
-        self.dmap = head_dim_map(self.sc.head_dim, self.bc.head_dim).to(device)
-        self.q_rows = _rows(q_head_map(self.sc, self.bc).to(device), self.dmap, self.bc.head_dim)
-        self.kv_rows = _rows(torch.arange(self.sc.num_key_value_heads, device=device), self.dmap, self.bc.head_dim)
-        self.h = self.sc.hidden_size
-        self.norm_scale = math.sqrt(self.sc.hidden_size / self.bc.hidden_size)
+        s, b = self.sc, self.bc
+        self.dmap = head_dim_map(s.head_dim, b.head_dim, s.rotary_dim, b.rotary_dim).to(device)
+        q_heads = q_head_map(s, b).to(device)
+        self.q_rows = _rows(q_heads, self.dmap, b.head_dim)  # [Q d]: attention output columns
+        # a gated q_proj reads each head's query and gate side by side: [Q', 2D], gate dim i at D + dmap[i]
+        self.q_proj_rows = _rows(q_heads, torch.cat([self.dmap, b.head_dim + self.dmap]), 2 * b.head_dim) \
+            if s.attn_output_gate else self.q_rows
+        self.kv_rows = _rows(torch.arange(s.num_key_value_heads, device=device), self.dmap, b.head_dim)
+        self.h = s.hidden_size
+        self.norm_scale = math.sqrt(s.hidden_size / b.hidden_size)
+        self.centred = s.zero_centred_norm  # Qwen3.5's RMSNorm scales by (1 + w)
 
     def fill(self, shape) -> torch.Tensor:
         t = torch.zeros(shape, device=self.device, dtype=torch.float32)
@@ -116,8 +154,57 @@ class _Builder:
             w[r] = 0.0
         return w
 
+    def norm_weight(self, small_weight: torch.Tensor, scale: float) -> torch.Tensor:
+        """The stored weight whose scale is `scale` times the small one's (1 + w when zero-centred)."""
+        return (1.0 + small_weight) * scale - 1.0 if self.centred else small_weight * scale
+
+    def stored_scale(self, scale: float) -> float:
+        """The stored weight of a norm dimension that should scale by `scale`."""
+        return scale - 1.0 if self.centred else scale
+
+    def hidden_norm(self, src: str, dst: str, out: dict, constant_scale: float = 0.0) -> None:
+        """A norm over the residual stream: real dims scaled by sqrt(h/H), dimension h by `constant_scale`."""
+        w = self.fill(self.bc.hidden_size)
+        w[:self.h] = self.norm_weight(self.small(src), self.norm_scale)
+        w[self.h] = self.stored_scale(constant_scale)
+        out[dst] = w
+
+    def writer(self, src: str, dst: str, cols: torch.Tensor | slice, width: int, out: dict) -> None:
+        """An output projection into the residual stream [H, width]: real rows and `cols`, row h exactly zero."""
+        w = self.fill((self.bc.hidden_size, width))
+        w[:self.h, cols] = self.small(src)
+        w[self.h] = 0.0
+        out[dst] = w
+
+    def attention(self, src: str, dst: str, out: dict) -> None:
+        b, s, real = self.bc, self.sc, slice(0, self.h)
+        qdim, kvdim = b.num_attention_heads * b.head_dim, b.num_key_value_heads * b.head_dim
+        q_width = qdim * (2 if b.attn_output_gate else 1)
+        out[dst + "q_proj.weight"] = self.linear(src + "q_proj.weight", self.q_proj_rows, real, (q_width, b.hidden_size))
+        for name in ("k_proj", "v_proj"):
+            out[dst + name + ".weight"] = self.linear(src + name + ".weight", self.kv_rows, real, (kvdim, b.hidden_size))
+        self.writer(src + "o_proj.weight", dst + "o_proj.weight", self.q_rows, qdim, out)
+        # per-head norms over D instead of d scale q and k by sqrt(D/d); 1/sqrt(D) takes one sqrt(D/d) back
+        q_norm, k_norm = self.fill(b.head_dim), self.fill(b.head_dim)
+        q_norm[self.dmap] = self.norm_weight(self.small(src + "q_norm.weight"), 1.0)
+        k_norm[self.dmap] = self.norm_weight(self.small(src + "k_norm.weight"), math.sqrt(s.head_dim / b.head_dim))
+        out[dst + "q_norm.weight"], out[dst + "k_norm.weight"] = q_norm, k_norm
+
+    def mlp(self, src: str, dst: str, out: dict) -> None:
+        b, m = self.bc, self.sc.intermediate_size
+        for name in ("gate_proj", "up_proj"):
+            out[dst + name + ".weight"] = self.linear(src + name + ".weight", slice(0, m), slice(0, self.h),
+                                                      (b.intermediate_size, b.hidden_size))
+        self.writer(src + "down_proj.weight", dst + "down_proj.weight", slice(0, m), b.intermediate_size, out)
+
+    def block(self, src: str, dst: str, out: dict) -> None:
+        """A real layer's norms and MLP (the token mixer is the caller's)."""
+        for name in ("input_layernorm", "post_attention_layernorm"):
+            self.hidden_norm(src + name + ".weight", dst + name + ".weight", out)  # the constant never feeds a layer
+        self.mlp(src + "mlp.", dst + "mlp.", out)
+
     def layer(self, i: int, out: dict) -> None:
-        p, b, s, h = f"model.layers.{i}.", self.bc, self.sc, self.h
+        p, b, s = f"model.layers.{i}.", self.bc, self.sc
         qdim, kvdim = b.num_attention_heads * b.head_dim, b.num_key_value_heads * b.head_dim
         if i >= s.num_hidden_layers:  # identity block: reads anything, writes exact zeros
             for name, shape in (("self_attn.q_proj", (qdim, b.hidden_size)), ("self_attn.k_proj", (kvdim, b.hidden_size)),
@@ -130,31 +217,13 @@ class _Builder:
                               ("self_attn.q_norm", b.head_dim), ("self_attn.k_norm", b.head_dim)):
                 out[p + name + ".weight"] = torch.ones(dim, device=self.device)
             return
-        real = slice(0, h)
-        out[p + "self_attn.q_proj.weight"] = self.linear(p + "self_attn.q_proj.weight", self.q_rows, real, (qdim, b.hidden_size))
-        out[p + "self_attn.k_proj.weight"] = self.linear(p + "self_attn.k_proj.weight", self.kv_rows, real, (kvdim, b.hidden_size))
-        out[p + "self_attn.v_proj.weight"] = self.linear(p + "self_attn.v_proj.weight", self.kv_rows, real, (kvdim, b.hidden_size))
-        o = self.fill((b.hidden_size, qdim))
-        o[:h, self.q_rows] = self.small(p + "self_attn.o_proj.weight")
-        o[h] = 0.0
-        out[p + "self_attn.o_proj.weight"] = o
-        out[p + "mlp.gate_proj.weight"] = self.linear(p + "mlp.gate_proj.weight", slice(0, s.intermediate_size), real,
-                                                      (b.intermediate_size, b.hidden_size))
-        out[p + "mlp.up_proj.weight"] = self.linear(p + "mlp.up_proj.weight", slice(0, s.intermediate_size), real,
-                                                    (b.intermediate_size, b.hidden_size))
-        down = self.fill((b.hidden_size, b.intermediate_size))
-        down[:h, :s.intermediate_size] = self.small(p + "mlp.down_proj.weight")
-        down[h] = 0.0
-        out[p + "mlp.down_proj.weight"] = down
-        for name in ("input_layernorm", "post_attention_layernorm"):
-            w = self.fill(b.hidden_size)
-            w[:h] = self.small(p + name + ".weight") * self.norm_scale
-            w[h] = 0.0  # the constant dimension never feeds a layer
-            out[p + name + ".weight"] = w
-        q_norm, k_norm = self.fill(b.head_dim), self.fill(b.head_dim)
-        q_norm[self.dmap] = self.small(p + "self_attn.q_norm.weight")
-        k_norm[self.dmap] = self.small(p + "self_attn.k_norm.weight") * math.sqrt(s.head_dim / b.head_dim)
-        out[p + "self_attn.q_norm.weight"], out[p + "self_attn.k_norm.weight"] = q_norm, k_norm
+        self.attention(p + "self_attn.", p + "self_attn.", out)
+        self.block(p, p, out)
+
+    def layers(self, out: dict, twin: torch.nn.Module) -> None:
+        """Every layer of the twin (`twin`: the twin on the meta device, for its shapes)."""
+        for i in range(self.bc.num_hidden_layers):
+            self.layer(i, out)
 
     def vocab(self, out: dict, c: float, u: float) -> None:
         b, s, h = self.bc, self.sc, self.h
@@ -170,14 +239,11 @@ class _Builder:
         if not b.tie_word_embeddings:
             out["lm_head.weight"] = head
         out["model.embed_tokens.weight"] = emb
-        norm = self.fill(b.hidden_size)
-        norm[:h] = self.small("model.norm.weight") * self.norm_scale
-        norm[h] = 1.0
-        out["model.norm.weight"] = norm
+        self.hidden_norm("model.norm.weight", "model.norm.weight", out, constant_scale=1.0)  # passes c on
 
 
 @torch.no_grad()
-def final_rms_bound(small: CausalLM, calibration: list[list[int]]) -> float:
+def final_rms_bound(small: Model, calibration: list[list[int]]) -> float:
     """The largest RMS of the small model's final residual stream over the calibration sequences."""
     from specdec.engine.engine import Engine, EngineConfig
 
@@ -190,20 +256,26 @@ def final_rms_bound(small: CausalLM, calibration: list[list[int]]) -> float:
         captured.append(out[0].float().pow(2).mean(-1).sqrt().max().item())
         return out
 
+    def pre_hook(module, args):  # a hybrid model calls its final norm on the final residual stream itself
+        captured.append(args[0].float().pow(2).mean(-1).sqrt().max().item())
+
     norm.add_forward = recording
+    hook = norm.register_forward_pre_hook(pre_hook)
     try:
         engine = Engine(small, EngineConfig(kv_cache_tokens=4096, max_num_seqs=4, static_shapes=False))
         for ids in calibration:
             engine.all_logits(ids[: small.config.max_position_embeddings - 1])
     finally:
         del norm.add_forward
+        hook.remove()
     return max(captured)
 
 
 @torch.no_grad()
-def make_twin(small: CausalLM, shape: str | dict, noise: float = 0.0, device=None, dtype=None,
-              calibration: list[list[int]] | None = None) -> CausalLM:
-    """The twin of `small` at `shape` (a name in SHAPES or a dict of config fields), on `device`."""
+def make_twin(small: Model, shape: str | dict, noise: float = 0.0, device=None, dtype=None,
+              calibration: list[list[int]] | None = None) -> Model:
+    """The twin of `small` (a Qwen3 CausalLM or a Qwen3.5 HybridCausalLM) at `shape` (a name in SHAPES or a dict
+    of config fields), on `device`."""
     if isinstance(shape, str):
         if shape not in SHAPES:
             raise ConfigError(f"unknown twin shape {shape!r}: use one of {', '.join(SHAPES)} or a config dict")
@@ -211,19 +283,26 @@ def make_twin(small: CausalLM, shape: str | dict, noise: float = 0.0, device=Non
     device = torch.device(device or small.lm_head.weight.device)
     dtype = dtype or small.lm_head.weight.dtype
     big_config = twin_config(small.config, shape)
-    builder = _Builder(small, big_config, noise, device, dtype)
+    with torch.device("meta"):
+        twin = model_class(big_config)(big_config)
+    builder = _builder_class(big_config)(small, small.config, big_config, noise, device, dtype)
     c, u = _vocab_constants(small, big_config, calibration)
     state = _CastingDict(dtype)  # each weight is cast as it is made: peak memory ~ the twin + one fp32 matrix
     builder.vocab(state, c, u)
-    for i in range(big_config.num_hidden_layers):
-        builder.layer(i, state)
-    with torch.device("meta"):
-        twin = CausalLM(big_config)
+    builder.layers(state, twin)
     twin.load_state_dict(state, strict=False, assign=True)
     if big_config.tie_word_embeddings:
         twin.lm_head.weight = twin.model.embed_tokens.weight
     _attach_rotary(twin, big_config, device)
     return twin.eval().requires_grad_(False)
+
+
+def _builder_class(config: ModelConfig) -> type[_Builder]:
+    if config.architecture == "qwen3_5":
+        from specdec.models.twin_qwen3_5 import HybridBuilder
+
+        return HybridBuilder
+    return _Builder
 
 
 class _CastingDict(dict):
@@ -235,7 +314,7 @@ class _CastingDict(dict):
         super().__setitem__(key, value.to(self.dtype))
 
 
-def _vocab_constants(small: CausalLM, big: ModelConfig, calibration) -> tuple[float, float]:
+def _vocab_constants(small: Model, big: ModelConfig, calibration) -> tuple[float, float]:
     """c (the constant dimension's value) and u (the padded tokens' output weight)."""
     emb = small.model.embed_tokens.weight.detach().float()
     c = CONSTANT_SCALE * emb.norm(dim=-1).min().item()
