@@ -76,6 +76,7 @@ class LLM:
             device = rank_device(device, self.tensor_parallel)
         self.device = pick_device(device)
         self.model = load_model(self.model_dir, self.device, parse_dtype(dtype))
+        self.twin = twin  # the shape the model runs at, if a twin (an MTP speculator pads its head to it)
         if twin is not None:  # the same function at a large model's shapes (specdec.models.twin)
             from specdec.models.twin import make_twin
 

@@ -12,6 +12,7 @@ from specdec.models.config import ModelConfig
 from specdec.models.loader import load_model
 from specdec.models.twin import SHAPES, head_dim_map, make_twin, twin_config
 from specdec.models.twin_qwen3_5 import layer_placement
+from specdec.speculate import SpecConfig
 from tests.test_mtp import save_with_mtp
 from tests.test_qwen3_5 import build_hf
 from tests.test_qwen3_5_engine import PROMPTS
@@ -60,6 +61,38 @@ def test_twin_greedy_output_equals_the_small_model(hybrid_dir):
     assert twin.model.config.hidden_size == 96
     assert [o.token_ids for o in twin.generate(PROMPTS, GREEDY)] == \
         [o.token_ids for o in plain.generate(PROMPTS, GREEDY)]
+
+
+def mtp_run(path, twin=None) -> tuple[list[list[int]], list[list[int]], dict]:
+    """(outputs, every drafted chain, engine metrics) of MTP speculation at k = 3, greedy and seeded sampling."""
+    llm = LLM(path, device="cpu", kv_cache_tokens=2048, block_size=4, twin=twin,
+              speculator=SpecConfig("mtp", num_draft_tokens=3, adaptive=False))
+    spec, drafts = llm.engine.speculator, []
+    propose = spec.propose
+
+    def recording(requests, ks):
+        propose(requests, ks)
+        drafts.extend(list(r.draft_token_ids) for r in requests if r.draft_token_ids)
+
+    spec.propose = recording
+    sampled = SamplingParams(max_tokens=24, temperature=1.0, seed=1, ignore_eos=True)  # accepts some drafts
+    outs = [o.token_ids for o in llm.generate(PROMPTS, [GREEDY, sampled, GREEDY, sampled])]
+    return outs, drafts, llm.engine.metrics()
+
+
+def test_twin_mtp_head_drafts_what_the_small_head_drafts(hybrid_dir):
+    outs, drafts, stats = mtp_run(hybrid_dir)
+    twin_outs, twin_drafts, twin_stats = mtp_run(hybrid_dir, twin=SAME_VOCAB)
+    assert twin_outs == outs and twin_drafts == drafts and len(drafts) >= 10
+    assert stats["accepted_tokens"] > 0  # the acceptance is the small pair's
+    for key in ("verify_steps", "draft_tokens", "accepted_tokens", "accepted_per_position"):
+        assert twin_stats[key] == stats[key], key
+
+
+def test_mtp_twin_with_a_padded_vocabulary_is_refused(hybrid_dir):
+    with pytest.raises(ConfigError, match="vocabulary"):
+        LLM(hybrid_dir, device="cpu", kv_cache_tokens=2048, block_size=4, twin=SHAPE,
+            speculator=SpecConfig("mtp", num_draft_tokens=2, adaptive=False))
 
 
 def test_qwen3_5_27b_shape():

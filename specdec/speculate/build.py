@@ -179,7 +179,17 @@ def _mtp_speculator(llm):
     from specdec.models.mtp import load_mtp_head
     from specdec.speculate.mtp import MTPSpeculator
 
-    head = load_mtp_head(llm.model_dir, llm.model, llm.device, llm.model.lm_head.weight.dtype)
+    dtype = llm.model.lm_head.weight.dtype
+    if getattr(llm, "twin", None) is not None:  # a twin target: its head is the twin of the checkpoint's
+        from specdec.models.mtp import read_mtp_head
+        from specdec.models.twin_qwen3_5 import make_mtp_twin
+
+        small = read_mtp_head(llm.model_dir, ModelConfig.from_dir(llm.model_dir), llm.device, dtype)
+        if small is None:  # no mtp.* weights (or not Qwen3.5): load_mtp_head refuses, saying why
+            load_mtp_head(llm.model_dir, llm.model, llm.device, dtype)
+        head = make_mtp_twin(small, llm.model)
+    else:
+        head = load_mtp_head(llm.model_dir, llm.model, llm.device, dtype)
     return MTPSpeculator(head, llm.engine.blocks)
 
 
