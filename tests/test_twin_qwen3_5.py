@@ -11,7 +11,8 @@ from specdec.engine.engine import Engine, EngineConfig
 from specdec.models.config import ModelConfig
 from specdec.models.loader import load_model
 from specdec.models.twin import SHAPES, head_dim_map, make_twin, twin_config
-from specdec.models.twin_qwen3_5 import layer_placement
+from specdec.models.mtp import read_mtp_head
+from specdec.models.twin_qwen3_5 import layer_placement, make_mtp_twin
 from specdec.speculate import SpecConfig
 from tests.test_mtp import save_with_mtp
 from tests.test_qwen3_5 import build_hf
@@ -25,16 +26,26 @@ SHAPE = dict(hidden_size=96, intermediate_size=192, num_hidden_layers=8, layer_t
              linear_num_key_heads=3, linear_num_value_heads=9, linear_key_head_dim=32, linear_value_head_dim=24,
              vocab_size=320)
 SAME_VOCAB = dict(SHAPE, vocab_size=300)  # an MTP head's twin keeps the vocabulary
-GREEDY = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+
+
+def text(seed: int, n: int) -> list[int]:
+    return torch.randint(2, 300, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.fixture(scope="module")
+def hybrid_dir(tmp_path_factory):
+    """A checkpoint with mtp.* weights, layers [full, lin, lin, full]."""
+    return save_with_mtp(build_hf("two-full"), tmp_path_factory.mktemp("two-full"))
 
 
 @pytest.fixture(scope="module", params=["two-full", "one-full"])
-def hybrid_dir(request, tmp_path_factory):
-    return save_with_mtp(build_hf(request.param), tmp_path_factory.mktemp(request.param))
-
-
-def text(seed: int, n: int = 100) -> list[int]:
-    return torch.randint(2, 300, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+def pair(request, tmp_path_factory):
+    """(small model, its twin at SHAPE) per layer pattern."""
+    path = tmp_path_factory.mktemp(request.param)
+    build_hf(request.param).save_pretrained(path)
+    small = load_model(path, "cpu")
+    return small, make_twin(small, SHAPE, calibration=[text(9, 64)])
 
 
 def logprobs(model, ids, chunk: int | None = None) -> torch.Tensor:
@@ -44,12 +55,11 @@ def logprobs(model, ids, chunk: int | None = None) -> torch.Tensor:
     return engine.all_logits(ids).float().log_softmax(-1)
 
 
-@pytest.mark.parametrize("chunk", [None, 5])
-def test_twin_logprobs_equal_the_small_model(hybrid_dir, chunk):
-    small = load_model(hybrid_dir, "cpu")
-    twin = make_twin(small, SHAPE)
+@pytest.mark.parametrize("chunk,n", [(None, 80), (5, 30)])
+def test_twin_logprobs_equal_the_small_model(pair, chunk, n):
+    small, twin = pair
     assert twin.config.linear_layer_ids == (0, 1, 2, 4, 5, 6) and twin.config.rotary_dim == 16
-    ids = text(1)
+    ids = text(1, n)
     ref, got = logprobs(small, ids, chunk), logprobs(twin, ids, chunk)
     assert (got[:, :300] - ref).abs().max().item() <= 1e-4
     assert got[:, 300:].exp().sum(-1).max().item() < 1e-6  # the padded vocabulary is never chosen
@@ -59,8 +69,8 @@ def test_twin_greedy_output_equals_the_small_model(hybrid_dir):
     plain = LLM(hybrid_dir, device="cpu", kv_cache_tokens=2048, block_size=4)
     twin = LLM(hybrid_dir, device="cpu", kv_cache_tokens=2048, block_size=4, twin=SHAPE)
     assert twin.model.config.hidden_size == 96
-    assert [o.token_ids for o in twin.generate(PROMPTS, GREEDY)] == \
-        [o.token_ids for o in plain.generate(PROMPTS, GREEDY)]
+    assert [o.token_ids for o in twin.generate(PROMPTS[:3], GREEDY)] == \
+        [o.token_ids for o in plain.generate(PROMPTS[:3], GREEDY)]
 
 
 def mtp_run(path, twin=None) -> tuple[list[list[int]], list[list[int]], dict]:
@@ -75,8 +85,8 @@ def mtp_run(path, twin=None) -> tuple[list[list[int]], list[list[int]], dict]:
         drafts.extend(list(r.draft_token_ids) for r in requests if r.draft_token_ids)
 
     spec.propose = recording
-    sampled = SamplingParams(max_tokens=24, temperature=1.0, seed=1, ignore_eos=True)  # accepts some drafts
-    outs = [o.token_ids for o in llm.generate(PROMPTS, [GREEDY, sampled, GREEDY, sampled])]
+    sampled = SamplingParams(max_tokens=16, temperature=1.0, seed=1, ignore_eos=True)  # accepts some drafts
+    outs = [o.token_ids for o in llm.generate(PROMPTS[:3], [GREEDY, sampled, sampled])]
     return outs, drafts, llm.engine.metrics()
 
 
@@ -89,10 +99,11 @@ def test_twin_mtp_head_drafts_what_the_small_head_drafts(hybrid_dir):
         assert twin_stats[key] == stats[key], key
 
 
-def test_mtp_twin_with_a_padded_vocabulary_is_refused(hybrid_dir):
+def test_mtp_twin_with_a_padded_vocabulary_is_refused(pair, hybrid_dir):
+    small, twin = pair  # vocabulary 320 for 300
+    head = read_mtp_head(hybrid_dir, small.config, "cpu", torch.float32)
     with pytest.raises(ConfigError, match="vocabulary"):
-        LLM(hybrid_dir, device="cpu", kv_cache_tokens=2048, block_size=4, twin=SHAPE,
-            speculator=SpecConfig("mtp", num_draft_tokens=2, adaptive=False))
+        make_mtp_twin(head, twin)
 
 
 def test_qwen3_5_27b_shape():
