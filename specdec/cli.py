@@ -30,7 +30,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="longest prompt + output in tokens (default: the model's max_position_embeddings); "
                              "also bounds the CUDA-graph shapes captured at start-up")
     parser.add_argument("--twin", default=None,
-                        help="run the model as a scaled twin of a larger shape (qwen3-8b, qwen3-1.7b, qwen3-0.6b)")
+                        help="run the model as a scaled twin of a larger shape (qwen3-8b, qwen3-1.7b, qwen3-0.6b; "
+                             "qwen3.5-27b for a Qwen3.5 model)")
     parser.add_argument("--piecewise-graphs", action=argparse.BooleanOptionalAction, default=None,
                         help="on a GPU, replay all but attention of eager (prefill / mixed) steps as CUDA graphs "
                              "(default: on with CUDA graphs, off with tensor parallelism)")
@@ -101,7 +102,8 @@ def cmd_twin(args: argparse.Namespace) -> int:
 
     from specdec.assets import resolve_model
     from specdec.models.loader import load_model
-    from specdec.models.twin import make_twin, save_twin
+    from specdec.models.config import ModelConfig
+    from specdec.models.twin import check_savable, make_twin, save_twin
 
     from specdec.models.twin_head import is_head_dir
 
@@ -124,6 +126,7 @@ def cmd_twin(args: argparse.Namespace) -> int:
         twin = write_head_twin(source, args.target, shape, args.out, noise=args.noise)
         print(f"wrote {args.out}: {sum(p.numel() for p in twin.parameters()) / 1e6:.1f}M parameters")
         return 0
+    check_savable(ModelConfig.from_dir(source))  # before building what could not be written
     twin = make_twin(load_model(source, "cpu"), shape, noise=args.noise)
     save_twin(twin, source, args.out)
     print(f"wrote {args.out}: {sum(p.numel() for p in twin.parameters()) / 1e6:.1f}M parameters")

@@ -138,3 +138,13 @@ def test_impossible_hybrid_twins_are_refused(hybrid_dir):
         make_twin(small, {k: v for k, v in SHAPE.items() if k != "layer_types"})
     with pytest.raises(ConfigError, match="conv_kernel"):
         make_twin(small, dict(SHAPE, linear_conv_kernel_dim=3))
+
+
+def test_command_line_paths(hybrid_dir, tmp_path, capsys):
+    from specdec.cli import build_parser, engine_kwargs, main
+
+    args = build_parser().parse_args(["generate", str(hybrid_dir), "--twin", "qwen3.5-27b", "--speculator", "mtp"])
+    assert engine_kwargs(args)["twin"] == "qwen3.5-27b"  # LLM(model, twin="qwen3.5-27b"): built in memory
+    # a saved Qwen3.5 twin could not keep its per-head eps: refused before anything is built
+    assert main(["twin", str(hybrid_dir), "--shape", "qwen3.5-27b", "--out", str(tmp_path / "twin")]) == 2
+    assert "in memory" in capsys.readouterr().err and not (tmp_path / "twin").exists()

@@ -336,6 +336,7 @@ def save_twin(twin: CausalLM, source_dir, out_dir) -> None:
     from safetensors.torch import save_file
 
     source_dir, out_dir = Path(source_dir), Path(out_dir)
+    check_savable(twin.config)
     out_dir.mkdir(parents=True, exist_ok=True)
     raw = json.loads((source_dir / "config.json").read_text())
     c = twin.config
@@ -352,6 +353,14 @@ def save_twin(twin: CausalLM, source_dir, out_dir) -> None:
     for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "chat_template.jinja"):
         if (source_dir / name).is_file():
             shutil.copy(source_dir / name, out_dir / name)
+
+
+def check_savable(config: ModelConfig) -> None:
+    """Refuse to write a Qwen3.5 twin: its per-head norms carry their own eps (twin_qwen3_5.exact_eps), which
+    config.json's one rms_norm_eps cannot hold, so a saved copy would not compute the small model's function."""
+    if config.architecture == "qwen3_5":
+        raise ConfigError("Qwen3.5 twins are built in memory only (LLM(model, twin=SHAPE) / --twin SHAPE): their "
+                          "per-head norms need eps values config.json cannot hold")
 
 
 def save_sharded(state: dict, out_dir, save_file, shard_bytes: int = 2 << 30) -> None:
