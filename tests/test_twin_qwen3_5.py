@@ -65,6 +65,13 @@ def test_twin_logprobs_equal_the_small_model(pair, chunk, n):
     assert got[:, 300:].exp().sum(-1).max().item() < 1e-6  # the padded vocabulary is never chosen
 
 
+def test_benchmark_noise_keeps_the_logprobs_within_1e_3(pair):
+    small, _ = pair
+    twin = make_twin(small, SHAPE, noise=1e-6, calibration=[text(9, 64)])  # as on a GPU
+    ids = text(2, 80)
+    assert (logprobs(twin, ids)[:, :300] - logprobs(small, ids)).abs().max().item() <= 1e-3
+
+
 def test_twin_greedy_output_equals_the_small_model(hybrid_dir):
     plain = LLM(hybrid_dir, device="cpu", kv_cache_tokens=2048, block_size=4)
     twin = LLM(hybrid_dir, device="cpu", kv_cache_tokens=2048, block_size=4, twin=SHAPE)
