@@ -124,6 +124,20 @@ def test_head_graphs_compute_what_the_flat_forward_does(qwen3_dir, head_dir, cou
         torch.testing.assert_close(graphs_side[:real], eager_side[:real], atol=1e-5, rtol=1e-5)
 
 
+def test_the_served_head_runs_fused_projections_that_compute_what_its_layers_do(qwen3_dir, head_dir):
+    """The speculator fuses the head's q/k/v and gate/up as the target's; the fused GEMMs give each layer's
+    own output (the weights are views, so nothing can go stale)."""
+    head = eagle_llm(qwen3_dir, head_dir).engine.speculator.head
+    attn, mlp = head.midlayer.self_attn, head.midlayer.mlp
+    assert attn.qkv is not None and mlp.gate_up is not None
+    x = torch.randn(5, attn.q_proj.in_features, generator=torch.Generator().manual_seed(0))
+    for fused, layer in zip(attn.qkv(x), (attn.q_proj, attn.k_proj, attn.v_proj)):
+        torch.testing.assert_close(fused, torch.nn.functional.linear(x, layer.weight, layer.bias))
+    h = torch.randn(5, mlp.gate_proj.in_features, generator=torch.Generator().manual_seed(1))
+    for fused, layer in zip(mlp.gate_up(h), (mlp.gate_proj, mlp.up_proj)):
+        torch.testing.assert_close(fused, torch.nn.functional.linear(h, layer.weight))
+
+
 def test_the_head_reads_the_verify_forward_and_adds_no_target_forward(qwen3_dir, head_dir):
     """One target forward per engine step; the head is fed the features of exactly the committed positions."""
     llm = eagle_llm(qwen3_dir, head_dir, 4)

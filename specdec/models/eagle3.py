@@ -126,6 +126,12 @@ class Eagle3Head(nn.Module):
     def share_embedding(self, embedding: nn.Embedding) -> None:
         self.embed_tokens = embedding
 
+    def fuse_projections(self) -> bool:
+        """One GEMM for the layer's q/k/v and one for its gate/up, as the target's (fused_linear); returns
+        whether both are fused (a quantised head's are not)."""
+        layer = self.midlayer
+        return layer.self_attn.fuse_projections() & layer.mlp.fuse_projections()
+
     def project(self, features: torch.Tensor) -> torch.Tensor:
         """The target's states of its three feature layers [T, 3 H_target] -> [T, H]."""
         return self.fc(features)

@@ -9,7 +9,7 @@ from torch import nn
 
 from specdec.models.config import ModelConfig
 from specdec.models.fused import Kernels
-from specdec.models.fused_linear import FusedProjection
+from specdec.models.fused_linear import FusedProjection, fuse
 
 
 class RMSNorm(nn.Module):
@@ -41,7 +41,13 @@ class GatedMLP(nn.Module):
         self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
         self.up_proj = nn.Linear(hidden, intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
-        self.gate_up: FusedProjection | None = None  # set by CausalLM.fuse_projections()
+        self.gate_up: FusedProjection | None = None  # set by fuse_projections()
+
+    def fuse_projections(self) -> bool:
+        """One GEMM for gate and up (specdec.models.fused_linear; idempotent); returns whether they are fused."""
+        if self.gate_up is None or not self.gate_up.valid():
+            self.gate_up = fuse([self.gate_proj, self.up_proj])
+        return self.gate_up is not None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up(x) if self.gate_up is not None else (self.gate_proj(x), self.up_proj(x))

@@ -70,6 +70,11 @@ class MTPHead(nn.Module):
         """Use the target's (a HybridCausalLM) embedding, LM head and rotary table."""
         self.embed_tokens, self.lm_head, self.rotary = target.model.embed_tokens, target.lm_head, target.rotary
 
+    def fuse_projections(self) -> bool:
+        """One GEMM for the layer's q/k/v and one for its gate/up, as the target's (fused_linear)."""
+        layer = self.layers[0]
+        return layer.self_attn.fuse_projections() & layer.mlp.fuse_projections()
+
     def project(self, features: torch.Tensor) -> torch.Tensor:
         """The target's final feature [T, H] is fed as it is (the head norms it itself)."""
         return features

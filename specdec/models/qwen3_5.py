@@ -188,10 +188,7 @@ class HybridCausalLM(nn.Module):
         done = True
         for layer in self.model.layers:
             mixer = layer.linear_attn if layer.is_linear else layer.self_attn
-            mlp = layer.mlp
-            if mlp.gate_up is None or not mlp.gate_up.valid():
-                mlp.gate_up = fuse([mlp.gate_proj, mlp.up_proj])
-            done = mixer.fuse_projections() and mlp.gate_up is not None and done
+            done = mixer.fuse_projections() & layer.mlp.fuse_projections() & done
         return done
 
     def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch,

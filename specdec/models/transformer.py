@@ -36,6 +36,12 @@ class Attention(nn.Module):
         self.qk_norm = config.qk_norm
         self.qkv: FusedProjection | None = None  # set by fuse_projections()
 
+    def fuse_projections(self) -> bool:
+        """One GEMM for q, k and v (specdec.models.fused_linear; idempotent); returns whether they are fused."""
+        if self.qkv is None or not self.qkv.valid():
+            self.qkv = fuse([self.q_proj, self.k_proj, self.v_proj])
+        return self.qkv is not None
+
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [T, hidden] -> q [T, H*D], k [T, Hkv*D], v [T, Hkv*D]."""
         if self.qkv is not None:
@@ -134,12 +140,7 @@ class CausalLM(nn.Module):
         weights become views into the fused tensors.  Idempotent; returns whether every layer is fused."""
         done = True
         for layer in self.model.layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            if attn.qkv is None or not attn.qkv.valid():
-                attn.qkv = fuse([attn.q_proj, attn.k_proj, attn.v_proj])
-            if mlp.gate_up is None or not mlp.gate_up.valid():
-                mlp.gate_up = fuse([mlp.gate_proj, mlp.up_proj])
-            done = done and attn.qkv is not None and mlp.gate_up is not None
+            done = layer.self_attn.fuse_projections() & layer.mlp.fuse_projections() & done
         return done
 
     def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch,

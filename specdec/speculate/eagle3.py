@@ -67,6 +67,7 @@ class Eagle3Speculator(Speculator):
                  static_shapes: bool = False, max_batch: int = 256, max_context: int = 8192,
                  cuda_graphs: bool = True, tree_width: int = 1):
         self.head = head
+        head.fuse_projections()  # one GEMM for q/k/v and one for gate/up, as the target's (weights become views)
         self.tree_width = tree_width  # candidates per depth (1: a chain, drafted at each request's settings)
         self.device = head.lm_head.weight.device
         self.blocks = blocks  # the target's: the head's cache is indexed by the target's block tables
