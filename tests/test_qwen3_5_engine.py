@@ -109,6 +109,32 @@ def test_sampled_speculation_on_a_hybrid_follows_the_target(hybrid, drafter, bro
     check_sampled_token2(path, spec, 3000, broken, monkeypatch)
 
 
+@pytest.fixture(scope="module")
+def hybrid_head(tmp_path_factory, hybrid):
+    """A random EAGLE-3 head for the hybrid target, reading its layers 0, 1 and 2 (linear and full attention);
+    small weights, so its q is broad and the sampled test sees hundreds of drafts kept and rejected."""
+    from specdec.models.eagle3 import random_head, save_eagle3_head
+    from specdec.models.loader import load_model
+
+    target = load_model(hybrid[0], "cpu", torch.float32)
+    head = random_head(target, seed=3, draft_vocab=64, std=0.02, feature_layers=(0, 1, 2))
+    return save_eagle3_head(head, tmp_path_factory.mktemp("hybrid-head"))
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_an_eagle3_head_on_a_hybrid_target_equals_plain_decoding(hybrid, hybrid_head, k):
+    path, expected = hybrid
+    spec, llm = generate(path, speculator=SpecConfig("eagle3", model=str(hybrid_head), num_draft_tokens=k,
+                                                     adaptive=False))
+    assert spec == expected and llm.engine.metrics()["draft_tokens"] > 0
+
+
+@pytest.mark.parametrize("broken", [False, True])
+def test_an_eagle3_head_s_sampled_drafts_on_a_hybrid_follow_the_target(hybrid, hybrid_head, broken, monkeypatch):
+    spec = SpecConfig("eagle3", model=str(hybrid_head), num_draft_tokens=2, adaptive=False)
+    check_sampled_token2(hybrid[0], spec, 1200, broken, monkeypatch)
+
+
 def check_sampled_token2(path, spec: SpecConfig, n: int, broken: bool, monkeypatch) -> None:
     """n requests of one prompt sampled at temperature 1 with speculator spec on the hybrid target at path: the
     second token follows the target's exact marginal, with enough drafts kept and rejected to tell; with broken,
