@@ -115,16 +115,24 @@ def load_mtp_head(model_dir: str | Path, target, device: torch.device, dtype: to
     """The MTP head of the checkpoint `target` (a HybridCausalLM) was loaded from; refused, saying what to do,
     when the target is not Qwen3.5 or its checkpoint has no mtp.* weights, and naming the tensor and the
     config field when a weight's shape does not fit the target."""
-    if target.config.architecture != "qwen3_5":
+    head = read_required_mtp_head(model_dir, target.config, device, dtype)
+    head.share_target(target)
+    return head.eval().requires_grad_(False)
+
+
+def read_required_mtp_head(model_dir: str | Path, config: ModelConfig, device: torch.device,
+                           dtype: torch.dtype) -> MTPHead:
+    """read_mtp_head, refused (saying what to do) when the model is not Qwen3.5 or its checkpoint ships no mtp.*
+    weights."""
+    if config.architecture != "qwen3_5":
         raise ConfigError(f"the mtp speculator drafts with Qwen3.5's own multi-token-prediction head; {model_dir} is "
-                          f"a {target.config.architecture} model: use --speculator eagle3, draft or ngram")
-    head = read_mtp_head(model_dir, target.config, device, dtype)
+                          f"a {config.architecture} model: use --speculator eagle3, draft or ngram")
+    head = read_mtp_head(model_dir, config, device, dtype)
     if head is None:
         raise ConfigError(f"{model_dir} has no MTP weights (mtp.*): --speculator mtp needs a Qwen3.5 checkpoint "
                           "that ships its multi-token-prediction head (the published ones do; some conversions "
                           "drop it): use the original checkpoint, or another speculator (eagle3, draft, ngram)")
-    head.share_target(target)
-    return head.eval().requires_grad_(False)
+    return head
 
 
 def read_mtp_head(model_dir: str | Path, target: ModelConfig, device: torch.device,

@@ -175,18 +175,15 @@ def _eagle3_speculator(config: SpecConfig, llm):
 
 
 def _mtp_speculator(llm):
-    """The target checkpoint's own MTP head (refused, saying why, when it has none)."""
-    from specdec.models.mtp import load_mtp_head
+    """The target checkpoint's own MTP head (refused, saying why, when it has none); on a twin target, its twin."""
+    from specdec.models.mtp import load_mtp_head, read_required_mtp_head
     from specdec.speculate.mtp import MTPSpeculator
 
     dtype = llm.model.lm_head.weight.dtype
-    if getattr(llm, "twin", None) is not None:  # a twin target: its head is the twin of the checkpoint's
-        from specdec.models.mtp import read_mtp_head
+    if getattr(llm, "twin", None) is not None:
         from specdec.models.twin_qwen3_5 import make_mtp_twin
 
-        small = read_mtp_head(llm.model_dir, ModelConfig.from_dir(llm.model_dir), llm.device, dtype)
-        if small is None:  # no mtp.* weights (or not Qwen3.5): load_mtp_head refuses, saying why
-            load_mtp_head(llm.model_dir, llm.model, llm.device, dtype)
+        small = read_required_mtp_head(llm.model_dir, ModelConfig.from_dir(llm.model_dir), llm.device, dtype)
         head = make_mtp_twin(small, llm.model)
     else:
         head = load_mtp_head(llm.model_dir, llm.model, llm.device, dtype)

@@ -8,8 +8,6 @@ from specdec.sampling import SamplingParams, processed_probs_rows
 from specdec.transfer import upload
 from specdec.verify import in_target_vocab
 
-__all__ = ["draw_drafts", "draw_uniforms", "in_target_vocab", "inverse_cdf"]
-
 
 def draw_drafts(logits: torch.Tensor, params: list[SamplingParams], generators: list, target_vocab: int,
                 target_ids: torch.Tensor | None = None, uniforms: torch.Tensor | None = None,

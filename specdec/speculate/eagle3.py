@@ -41,9 +41,10 @@ from specdec.engine.runner import flat_attention_batch
 from specdec.engine.scheduler import ScheduledSeq
 from specdec.models.eagle3 import Eagle3Head
 from specdec.speculate.base import Speculator
-from specdec.speculate.draw import draw_drafts, in_target_vocab
+from specdec.speculate.draw import draw_drafts
 from specdec.speculate.head_graphs import HeadGraphs
 from specdec.transfer import upload
+from specdec.verify import in_target_vocab
 
 
 class HeadState:
