@@ -3,6 +3,8 @@
 # and dry-run on CPU only (the pieces: tests/test_train_lm_qwen3_5.py; bench/hybrid_check.py on a tiny
 # checkpoint), never on a GPU; first run's timings and figures are unknown.
 # Stages, each with its own limit and never past ALL_LIMIT_S: a corpus (the recipe of ref-target's, 320 MB),
+# (MTP=1: after the check, `specdec train head --kind mtp` on it for MTP_MIN minutes, brought back as
+# ref-hybrid-mtp.tar.partNN, the target with its trained mtp.* weights),
 # `specdec train lm --arch qwen3_5` (the default hybrid shape, ~16.4M parameters; ref-target's tokenizer, so
 # the two targets score the same tokens) for TRAIN_MIN minutes, then bench/hybrid_check.py: held-out loss
 # beside ref-target's, and the engine's greedy output against transformers' generate. Works in /tmp/hy;
@@ -29,5 +31,12 @@ stage pretrain ${TRAIN_STAGE_S:-430} python3 -m specdec.cli train lm --arch qwen
   stage check 70 python3 bench/hybrid_check.py --model $W/ref-hybrid --compare ref-target --n-prompts 16 \
     --new-tokens 64 --out "$OUT/hybrid-check.json"
   tar -cf - -C $W ref-hybrid | split -b 15m -d - "$OUT/ref-hybrid.tar.part"  # a file back is at most 16 MiB
+  [ "${MTP:-0}" = 1 ] && {
+    stage train_mtp ${MTP_STAGE_S:-150} python3 -m specdec.cli train head --kind mtp --target $W/ref-hybrid \
+      --prompts $W/corpus --out $W/mtp --n-prompts ${MTP_PROMPTS:-2000} --max-minutes ${MTP_MIN:-1.5} \
+      --ttt-steps 3 --max-steps 100000 --checkpoint-every 500 --drop-overlap --no-progress
+    [ -f $W/mtp/export/bf16/config.json ] && (cd $W/mtp && tar -cf - DATA_MANIFEST.md result.json run.json \
+      train_log.jsonl export/bf16 | split -b 15m -d - "$OUT/ref-hybrid-mtp.tar.part")
+  }
 }
 ls -la "$OUT"
