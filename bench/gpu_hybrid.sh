@@ -15,7 +15,7 @@
 # Usage on the device:  SPECDEC_COMMIT=<sha> bash bench/gpu_hybrid.sh "$OUT"   (TRAIN_MIN and TRAIN_STAGE_S size
 # the training: one call runs at most 600 s; LM_ARGS adds to the training command's arguments)
 OUT=${1:-/tmp/out}; mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 LIMIT=${ALL_LIMIT_S:-585}; W=/tmp/hy
 nvidia-smi -L
 [ -n "$SPECDEC_COMMIT" ] || echo "warning: SPECDEC_COMMIT is unset: the records cannot name their commit (the device copy has no git history)"
