@@ -55,6 +55,15 @@ def parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
     return names[dtype]
 
 
+def encode_prompt(tokenizer: Tokenizer | None, prompt: str | Sequence[int]) -> list[int]:
+    """A prompt's token ids: text through the tokenizer, token ids as they are."""
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise InvalidRequestError("this model directory has no tokenizer.json: pass token ids")
+        return tokenizer.encode(prompt)
+    return list(prompt)
+
+
 class LLM:
     def __init__(self, model: str | Path, device: str | torch.device | None = None,
                  dtype: str | torch.dtype | None = None, kv_cache_tokens: int | None = None,
@@ -127,11 +136,7 @@ class LLM:
         return self.tensor_parallel is None or self.tensor_parallel.rank == 0
 
     def encode(self, prompt: str | Sequence[int]) -> list[int]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise InvalidRequestError("this model directory has no tokenizer.json: pass token ids")
-            return self.tokenizer.encode(prompt)
-        return list(prompt)
+        return encode_prompt(self.tokenizer, prompt)
 
     def generate(self, prompts: str | Sequence[int] | Sequence[str | Sequence[int]],
                  params: SamplingParams | Sequence[SamplingParams] | None = None,

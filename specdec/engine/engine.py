@@ -10,6 +10,7 @@ import torch
 
 from specdec.engine.admission import AdmissionBatcher
 from specdec.engine.kv_cache import BlockManager, KVCache, num_blocks_for
+from specdec.engine.limits import RequestLimits
 from specdec.engine.request import Request, TokenLogprobs
 from specdec.engine.runner import ModelRunner
 from specdec.engine.sampler import sample_tokens
@@ -210,11 +211,13 @@ class Engine:
         self.scheduler.add(req)
         return req
 
+    @property
+    def limits(self) -> RequestLimits:
+        """What a request must satisfy here (a picklable value: a server process checks requests with it)."""
+        return RequestLimits(self.vocab_size, self.max_model_len, self.capacity_tokens, self.detokenize is not None)
+
     def validate_request(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        params.validate()
-        self._check_prompt(prompt_token_ids)
-        if params.stop and self.detokenize is None:
-            raise InvalidRequestError("stop strings need a tokenizer: this model directory has none")
+        self.limits.validate(prompt_token_ids, params)
 
     def abort(self, req: Request) -> None:
         if not req.finished:
@@ -224,22 +227,6 @@ class Engine:
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
-
-    def _check_prompt(self, ids) -> None:
-        if not isinstance(ids, (list, tuple)) or not ids:
-            raise InvalidRequestError("prompt is empty: give at least one token")
-        if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-            raise InvalidRequestError("prompt token ids must be integers")
-        bad = [t for t in ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise InvalidRequestError(f"token id {bad[0]} is out of range for this model's vocabulary "
-                                      f"[0, {self.vocab_size})")
-        if len(ids) >= self.max_model_len:
-            raise InvalidRequestError(f"prompt has {len(ids)} tokens; this model's context is {self.max_model_len} "
-                                      "tokens, which must hold the prompt and at least one generated token")
-        if len(ids) + 1 > self.capacity_tokens:
-            raise InvalidRequestError(f"prompt has {len(ids)} tokens but the KV cache holds only "
-                                      f"{self.capacity_tokens}: raise kv_cache_tokens")
 
     # ------------------------------------------------------------------ the step
 
@@ -466,7 +453,7 @@ class Engine:
 
         Runs outside the scheduler on its own blocks: call it on an idle engine.
         """
-        self._check_prompt(token_ids[:-1] or token_ids)
+        self.limits.check_prompt(token_ids[:-1] or token_ids)
         req = Request(list(token_ids), SamplingParams(max_tokens=1), self.device)
         req.block_ids = self.blocks.allocate(self.blocks.blocks_for(len(token_ids))) or []
         if not req.block_ids:
