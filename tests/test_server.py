@@ -201,9 +201,11 @@ def slow_engine(server, monkeypatch):
     monkeypatch.setattr(runner, "forward", slow)
 
 
-def test_disconnect_mid_stream_aborts_and_frees_kv(server, client, slow_engine):
+def disconnect_mid_stream_frees_kv(server) -> None:
+    """A stream its client closes after a few chunks: the request is aborted and its KV blocks freed."""
     aborts = server.metrics()[("specdec_request_aborts_total", ())]
-    stream = client.completions.create(model=MODEL, prompt=prompt_ids(5), max_tokens=200, stream=True, **GREEDY)
+    stream = server.client().completions.create(model=MODEL, prompt=prompt_ids(5), max_tokens=200, stream=True,
+                                                **GREEDY)
     for i, _ in enumerate(stream):
         if i == 3:
             break
@@ -212,6 +214,10 @@ def test_disconnect_mid_stream_aborts_and_frees_kv(server, client, slow_engine):
     wait_for(lambda: kv_idle(server))
     assert server.metrics()[("specdec_request_aborts_total", ())] == aborts + 1
     assert httpx.get(f"{server.url}/health").status_code == 200
+
+
+def test_disconnect_mid_stream_aborts_and_frees_kv(server, slow_engine):
+    disconnect_mid_stream_frees_kv(server)
 
 
 def test_disconnect_while_waiting_for_a_whole_answer_aborts(server, slow_engine):

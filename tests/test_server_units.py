@@ -8,8 +8,8 @@ from specdec.server.metrics import ServerMetrics
 
 
 def render(snapshot: dict) -> str:
-    engine = types.SimpleNamespace(device=types.SimpleNamespace(type="cpu"))
-    loop = types.SimpleNamespace(snapshot=snapshot, step_errors=0, aborted=0, alive=True, engine=engine)
+    loop = types.SimpleNamespace(snapshot=snapshot, step_errors=0, aborted=0, alive=True,
+                                 peak_memory=lambda: {"rss": 1 << 20})
     return ServerMetrics(loop).render().decode()
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hmac
 import logging
@@ -14,7 +15,8 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from specdec.errors import InvalidRequestError
-from specdec.server.engine_loop import EngineLoop, EngineUnavailable
+from specdec.server.engine_loop import EngineLoop, EngineUnavailable, InThread
+from specdec.server.engine_process import EngineProcess, EngineSpec, EngineStartError
 from specdec.server.metrics import ServerMetrics
 from specdec.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, error_body
 from specdec.server.request_body import parse_request
@@ -29,21 +31,31 @@ PARAMS = {"max_tokens": "max_tokens", "temperature": "temperature", "top_p": "to
           "logprobs": "logprobs", "seed": "seed", "stop": "stop", "prompt": "prompt", "token": "prompt"}
 
 
-def create_app(llm, served_model_name: str | None = None, api_key: str | None = None,
+def create_app(engine, served_model_name: str | None = None, api_key: str | None = None,
                max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
-    """An app serving `llm`; its engine thread starts with the app (lifespan) and stops with it."""
-    model_name = served_model_name or str(getattr(llm, "model_dir", "model"))
-    engine_loop = EngineLoop(llm)
+    """An app serving `engine`: an EngineSpec (the arguments of an LLM, built and stepped in an engine process
+    of its own) or an LLM already built here (stepped on a thread of this process).  The engine starts with
+    the app (lifespan; the app does not serve until the engine is ready) and stops with it."""
+    if isinstance(engine, EngineSpec):
+        llm, transport, model_name = None, EngineProcess(engine), served_model_name or engine.model
+    else:
+        llm, transport = engine, InThread(engine)
+        model_name = served_model_name or str(getattr(llm, "model_dir", "model"))
+    engine_loop = EngineLoop(transport)
     metrics = ServerMetrics(engine_loop)
-    serving = Serving(llm, engine_loop, metrics, model_name)
+    serving = Serving(engine_loop, metrics, model_name)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
-        engine_loop.start()
+        try:
+            await engine_loop.start()
+        except EngineStartError as exc:
+            log.error("%s", exc)
+            raise
         try:
             yield
         finally:
-            engine_loop.shutdown()
+            await asyncio.to_thread(engine_loop.shutdown)
 
     app = FastAPI(title="specdec", lifespan=lifespan)
     app.state.llm, app.state.engine_loop, app.state.metrics = llm, engine_loop, metrics

@@ -32,17 +32,17 @@ def default_model_name(args: argparse.Namespace) -> str:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from specdec import LLM
     from specdec.cli import engine_kwargs
     from specdec.server.app import create_app
+    from specdec.server.engine_process import EngineSpec
     from specdec.server.process import serve
 
     if args.tensor_parallel_size != 1:  # ranks > 0 would need rank 0's requests mirrored to them
         from specdec.errors import ConfigError
 
         raise ConfigError("serve does not support --tensor-parallel-size yet: use specdec generate under torchrun")
-    llm = LLM(args.model, speculator=spec_config_from_args(args), **engine_kwargs(args))
-    app = create_app(llm, args.served_model_name or default_model_name(args), args.api_key,
+    spec = EngineSpec(args.model, dict(speculator=spec_config_from_args(args), **engine_kwargs(args)))
+    app = create_app(spec, args.served_model_name or default_model_name(args), args.api_key,
                      int(args.max_body_mb * (1 << 20)))
     serve(app, args.host, args.port, log_level=args.log_level)
     return 0

@@ -1,153 +1,147 @@
-"""The engine thread: one background thread owns the Engine and steps it.
+"""The HTTP side's handle on the engine: an asyncio API over the engine loop (`engine_core.EngineCore`).
 
-Everything that touches the engine (adding, aborting, stepping, scoring) runs on that thread; the
-asyncio side hands it work through a command queue and gets results back through
-``loop.call_soon_threadsafe``.  After every step each tracked request's new tokens (and its finish)
-go to the asyncio queue of the HTTP request that owns it, as `Delta` events.
+Handlers call `generate`, `abort` and `prompt_logprobs`; each becomes a command message for the engine
+loop, which runs either on a thread of this process (`InThread`, given an LLM) or in an engine process
+of its own (`engine_process.EngineProcess`, given an EngineSpec).  The loop's `Outputs` (one per engine
+step) come back to `_deliver` on a thread (the engine thread, or the thread reading the engine process's
+pipe), which hands each one to the event loop with a single `call_soon_threadsafe`; there each
+group's `Delta`s go to the asyncio queue of the HTTP request that owns it.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
-import logging
+import itertools
 import queue
 import threading
 from collections.abc import Callable
 from typing import Any
 
-import torch
+from specdec.engine.request import TokenLogprobs
+from specdec.server.engine_core import Abort, Add, Delta, EngineCore, EngineInfo, Job, Outputs, Score, peak_rss_bytes
 
-from specdec.engine.request import Request, TokenLogprobs
-from specdec.sampling import SamplingParams, top_logprobs
+__all__ = ["Delta", "EngineLoop", "EngineUnavailable", "Group", "InThread"]
 
-log = logging.getLogger("specdec.server")
+STOPPED = "the engine stopped"
 
 
 class EngineUnavailable(RuntimeError):
-    """The engine thread is not running (not started yet, stopped, or dead)."""
-
-
-@dataclasses.dataclass
-class Delta:
-    """What one request produced since the last event."""
-
-    index: int  # which job (choice) of the HTTP request
-    token_ids: list[int]
-    logprobs: list[TokenLogprobs] | None
-    finish_reason: str | None = None  # set on the last event of the request
-    text: str | None = None  # the final text when the engine cut it at a stop string
-    error: str | None = None  # the request failed inside the engine
+    """The engine is not running (not started yet, stopped, or dead)."""
 
 
 class Group:
     """The engine requests of one HTTP request and the asyncio queue their events go to."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop):
-        self.loop = loop
+    def __init__(self, id: int, jobs: int):
+        self.id = id
         self.events: asyncio.Queue[Delta] = asyncio.Queue()
-        self.requests: list[Request] = []
+        self.unfinished = set(range(jobs))  # job indices without their last event yet
 
-    def post(self, delta: Delta) -> None:
-        _post(self.loop, self.events.put_nowait, delta)
-
-
-@dataclasses.dataclass
-class _Held:
-    """A job waiting for an earlier job of its group with the same prompt (its leader) to be prefilled, so
-    that it is admitted onto the leader's cached prompt blocks instead of computing them again."""
-
-    group: Group
-    index: int
-    ids: list[int]
-    params: SamplingParams
-    leader: Request
-
-    @property
-    def ready(self) -> bool:  # a first output token means the whole prompt is computed and its blocks cached
-        return self.leader.finished or bool(self.leader.output_token_ids)
+    def put(self, delta: Delta) -> None:
+        self.events.put_nowait(delta)
+        if delta.finish_reason is not None:
+            self.unfinished.discard(delta.index)
 
 
-@dataclasses.dataclass
-class _Tracked:
-    request: Request
-    group: Group
-    index: int
-    sent: int = 0  # output tokens already posted
+class InThread:
+    """The engine loop on a background thread of this process, over an LLM built here."""
+
+    remote = False  # the engine's memory is this process's
+
+    def __init__(self, llm):
+        self.llm = llm
+        self.commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+
+    def start(self, deliver: Callable[[Outputs | None], None]) -> tuple[EngineInfo, Any]:
+        core = EngineCore(self.llm)
+
+        def run():
+            try:
+                core.run(self.commands, deliver)
+            finally:
+                deliver(None)
+
+        self._thread = threading.Thread(target=run, name="specdec-engine", daemon=True)
+        self._thread.start()
+        return core.info, self.llm.tokenizer
+
+    def send(self, command) -> None:
+        self.commands.put(command)
+
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def stop(self, timeout: float) -> None:
+        self.commands.put(None)
+        if self._thread is not None and self._thread.is_alive():
+            self._thread.join(timeout)
 
 
 class EngineLoop:
-    def __init__(self, llm, idle_poll_s: float = 0.1):
-        self.llm = llm
-        self.engine = llm.engine
-        self.idle_poll_s = idle_poll_s
-        self.commands: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
-        self.tracked: list[_Tracked] = []
-        self.held: list[_Held] = []  # jobs added once their leader's prompt is cached
-        self.deferred: list[tuple[int, Callable[[], None]]] = []  # (KV blocks needed, job)
-        self.pending: set[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = set()  # calls not answered yet
-        self.snapshot: dict[str, Any] = self.engine.metrics()
+    def __init__(self, transport):
+        self.transport = transport
+        self.info: EngineInfo | None = None  # set by start()
+        self.tokenizer = None  # the model's tokenizer (None: the model directory has none), set by start()
+        self.snapshot: dict[str, Any] = {}  # the engine's latest Engine.metrics()
         self.step_errors = 0
         self.aborted = 0
+        self._peak_memory: dict[str, int] = {}
+        self._groups: dict[int, Group] = {}
+        self._calls: dict[int, asyncio.Future] = {}
+        self._ids = itertools.count()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._running = False
         self._stopping = False
-        self._thread = threading.Thread(target=self._run, name="specdec-engine", daemon=True)
 
-    # ------------------------------------------------------------------ lifecycle (any thread)
+    # ------------------------------------------------------------------ lifecycle
 
-    def start(self) -> None:
-        self._thread.start()
+    async def start(self) -> None:
+        """Start the engine loop and wait until it is ready (raises what kept it from starting)."""
+        self._loop = asyncio.get_running_loop()
+        self.info, self.tokenizer = await asyncio.to_thread(self.transport.start, self._deliver)
+        self._running = True
 
     def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the engine loop (any thread); requests still waiting get "the engine stopped"."""
         self._stopping = True
-        self.commands.put(None)
-        if self._thread.is_alive():
-            self._thread.join(timeout)
+        self.transport.stop(timeout)
 
     @property
     def alive(self) -> bool:
-        return self._thread.is_alive() and not self._stopping
+        return self._running and not self._stopping and self.transport.alive()
+
+    def peak_memory(self) -> dict[str, int]:
+        """{"device": bytes, "rss": bytes}: the engine process's peaks, plus this process's RSS when apart."""
+        memory = dict(self._peak_memory)
+        if self.transport.remote:
+            memory["rss"] = memory.get("rss", 0) + peak_rss_bytes()
+        return memory
 
     # ------------------------------------------------------------------ the asyncio side's API
 
-    async def call(self, fn: Callable[[], Any], blocks_needed: int = 0) -> Any:
-        """Run fn() on the engine thread and return its result (or raise its exception).
-
-        With blocks_needed > 0 the job waits until that many KV blocks are free or the engine is idle:
-        it is work outside the scheduler that borrows free blocks (scoring).
-        """
-        if not self.alive:
-            raise EngineUnavailable("the engine is not running")
-        loop = asyncio.get_running_loop()
-        future = loop.create_future()
-        self.pending.add((loop, future))
-
-        def job():
-            self.pending.discard((loop, future))
-            try:
-                result = fn()
-            except Exception as exc:  # handed to the caller, never kills the thread
-                _post(loop, _resolve, future, None, exc)
-            else:
-                _post(loop, _resolve, future, result, None)
-
-        self.commands.put(job if blocks_needed <= 0 else lambda: self.deferred.append((blocks_needed, job)))
-        return await future
-
-    async def generate(self, jobs: list[tuple[list[int], SamplingParams]]) -> Group:
+    async def generate(self, jobs: list[Job]) -> Group:
         """Queue one request per (prompt, params) job (all or none); their events arrive on the group's queue,
         each with its job's position as `Delta.index`."""
-        group = Group(asyncio.get_running_loop())
+        group = Group(next(self._ids), len(jobs))
+        self._groups[group.id] = group
         try:
-            await self.call(lambda: self._add(group, jobs))
+            await self._call(lambda call: Add(call, group.id, jobs))
         except asyncio.CancelledError:  # the client left while the requests were being queued
             self.abort(group)
+            raise
+        except BaseException:
+            self._groups.pop(group.id, None)
             raise
         return group
 
     def abort(self, group: Group) -> None:
         """Stop a group's unfinished requests and free their KV blocks (fire and forget)."""
-        if self.alive:
-            self.commands.put(lambda: self._abort(group))
+        if self._groups.pop(group.id, None) is not None and self.alive:
+            try:
+                self.transport.send(Abort(group.id))
+            except OSError:  # the engine process is gone: nothing left to stop
+                pass
 
     async def prompt_logprobs(self, token_ids: list[int], top_n: int) -> list[TokenLogprobs]:
         """Per prompt token: log p(token | tokens before it) and the top_n alternatives.
@@ -157,159 +151,66 @@ class EngineLoop:
         first = TokenLogprobs(token_ids[0], None, None)  # type: ignore[arg-type]
         if len(token_ids) < 2:
             return [first]
-        blocks = self.engine.blocks.blocks_for(len(token_ids) - 1)
-        return [first] + await self.call(lambda: self._score(token_ids, top_n), blocks_needed=blocks)
+        return [first] + await self._call(lambda call: Score(call, token_ids, top_n))
 
-    # ------------------------------------------------------------------ the engine thread
-
-    def _run(self) -> None:
+    async def _call(self, command: Callable[[int], Any]) -> Any:
+        """Send command(call id) and wait for its answer."""
+        if not self.alive:
+            raise EngineUnavailable("the engine is not running")
+        call = next(self._ids)
+        future = self._loop.create_future()
+        self._calls[call] = future
         try:
-            while not self._stopping:
-                try:
-                    self._iteration()
-                except Exception:  # a bug here must not take the server down
-                    log.exception("engine loop iteration failed")
-        finally:  # stopping (or dying): answer everyone still waiting on this thread
-            self._stopping = True
-            for t in [*self.tracked, *self.held]:
-                t.group.post(Delta(t.index, [], None, "abort", error="the engine stopped"))
-            for loop, future in list(self.pending):
-                _post(loop, _resolve, future, None, EngineUnavailable("the engine stopped"))
+            self._send(command(call))
+            return await future
+        finally:
+            self._calls.pop(call, None)
 
-    def _iteration(self) -> None:
-        if not self._drain(block=not self.engine.has_work() and not self.deferred and not self.held):
+    def _send(self, command) -> None:
+        try:
+            self.transport.send(command)
+        except OSError as exc:  # the engine process is gone; its reader reports it
+            raise EngineUnavailable(STOPPED) from exc
+
+    # ------------------------------------------------------------------ the engine's outputs
+
+    def _deliver(self, out: Outputs | None) -> None:
+        """Called on the engine's thread (or the pipe reader's): hand `out` to the event loop.
+        None: the engine loop ended."""
+        try:
+            self._loop.call_soon_threadsafe(self._apply, out)
+        except RuntimeError:  # the event loop is closed: the server is gone
+            pass
+
+    def _apply(self, out: Outputs | None) -> None:
+        if out is None:
+            self._fail_all()
             return
-        self._run_deferred()
-        self._release_held()
-        if self.engine.has_work():
-            self._step()
-        self._publish()
-        self.snapshot = self.engine.metrics()
-
-    def _drain(self, block: bool) -> bool:
-        """Run queued commands; False when asked to stop."""
-        try:
-            command = self.commands.get(timeout=self.idle_poll_s) if block else self.commands.get_nowait()
-        except queue.Empty:
-            return True
-        while True:
-            if command is None:
-                return False
-            command()
-            try:
-                command = self.commands.get_nowait()
-            except queue.Empty:
-                return True
-
-    def _run_deferred(self) -> None:
-        waiting = []
-        for blocks, job in self.deferred:
-            if blocks <= self.engine.blocks.num_free or not self.engine.has_work():
-                job()  # an idle engine runs it even if it cannot fit: the job reports the error
+        for call, result, error in out.results:
+            future = self._calls.get(call)
+            if future is None or future.done():  # the awaiting handler was cancelled
+                continue
+            if error is not None:
+                future.set_exception(error)
             else:
-                waiting.append((blocks, job))
-        self.deferred = waiting
-
-    def _step(self) -> None:
-        try:
-            self.engine.step()
-        except Exception as exc:
-            log.exception("engine step failed")
-            self.step_errors += 1
-            self._fail_running(f"the engine failed while serving this request: {type(exc).__name__}: {exc}")
-
-    def _fail_running(self, message: str) -> None:
-        """Fail the requests a broken step touched, so the rest keep being served."""
-        scheduler = self.engine.scheduler
-        victims = list(scheduler.running) or list(scheduler.waiting)[:1]  # always make progress
-        for req in victims:
-            req.error = message
-            try:
-                self.engine.abort(req)
-            except Exception:
-                log.exception("abort after a failed step failed")
-                for pool in (scheduler.running, scheduler.waiting):
-                    if req in pool:
-                        pool.remove(req)
-                req.finish("abort")
-
-    def _add(self, group: Group, jobs: list[tuple[list[int], SamplingParams]]) -> None:
-        for ids, params in jobs:
-            self.engine.validate_request(ids, params)
-        leaders: dict[tuple[int, ...], Request] = {}
-        for index, (ids, params) in enumerate(jobs):
-            leader = leaders.get(tuple(ids))
-            if leader is not None:
-                self.held.append(_Held(group, index, ids, params, leader))
+                future.set_result(result)
+        for gid, delta in out.events:
+            group = self._groups.get(gid)
+            if group is None:  # aborted: late events are dropped
                 continue
-            req = self._add_one(group, index, ids, params)
-            if len(ids) >= self.engine.blocks.block_size:  # a full block to share: later copies wait for it
-                leaders[tuple(ids)] = req
+            group.put(delta)
+            if not group.unfinished:
+                del self._groups[gid]
+        self.snapshot, self.step_errors, self.aborted = out.snapshot, out.step_errors, out.aborted
+        self._peak_memory = out.peak_memory
 
-    def _add_one(self, group: Group, index: int, ids: list[int], params: SamplingParams) -> Request:
-        req = self.engine.add_request(ids, params)
-        group.requests.append(req)
-        self.tracked.append(_Tracked(req, group, index))
-        return req
-
-    def _release_held(self) -> None:
-        waiting = []
-        for h in self.held:
-            if not h.ready:
-                waiting.append(h)
-                continue
-            try:
-                self._add_one(h.group, h.index, h.ids, h.params)
-            except Exception as exc:  # validated when queued: only a changed engine gets here
-                log.exception("adding a held request failed")
-                h.group.post(Delta(h.index, [], None, "abort", error=f"{type(exc).__name__}: {exc}"))
-        self.held = waiting
-
-    def _abort(self, group: Group) -> None:
-        for t in [t for t in self.tracked if t.group is group]:
-            if not t.request.finished:
-                self.engine.abort(t.request)
-                self.aborted += 1
-        self.tracked = [t for t in self.tracked if t.group is not group]
-        self.held = [h for h in self.held if h.group is not group]
-        self.snapshot = self.engine.metrics()
-
-    def _publish(self) -> None:
-        still_running = []
-        for t in self.tracked:
-            req = t.request
-            n = len(req.output_token_ids)
-            if n > t.sent or req.finished:
-                logprobs = req.logprobs[t.sent:n] if req.params.logprobs is not None else None
-                delta = Delta(t.index, req.output_token_ids[t.sent:n], logprobs)
-                if req.finished:
-                    delta.finish_reason, delta.text, delta.error = req.finish_reason, req.text, req.error
-                t.group.post(delta)
-                t.sent = n
-            if not req.finished:
-                still_running.append(t)
-        self.tracked = still_running
-
-    @torch.inference_mode()
-    def _score(self, token_ids: list[int], top_n: int) -> list[TokenLogprobs]:
-        rows = self.engine.all_logits(token_ids[:-1])  # the same pass as Engine.score
-        targets = torch.tensor(token_ids[1:], device=rows.device)
-        chosen, top_ids, top_vals = top_logprobs(rows, targets, top_n)
-        return [TokenLogprobs(t, lp, list(zip(ti, tv)))
-                for t, lp, ti, tv in zip(token_ids[1:], chosen.tolist(), top_ids.tolist(), top_vals.tolist())]
-
-
-def _post(loop: asyncio.AbstractEventLoop, fn: Callable, *args) -> None:
-    try:
-        loop.call_soon_threadsafe(fn, *args)
-    except RuntimeError:  # the event loop is closed: the client side is gone
-        pass
-
-
-def _resolve(future: asyncio.Future, result: Any, exc: BaseException | None) -> None:
-    if future.done():  # the awaiting handler was cancelled
-        return
-    if exc is not None:
-        future.set_exception(exc)
-    else:
-        future.set_result(result)
+    def _fail_all(self) -> None:
+        """The engine loop ended: answer everyone still waiting on it."""
+        self._running = False
+        for group in self._groups.values():
+            for index in sorted(group.unfinished):
+                group.put(Delta(index, [], None, "abort", error=STOPPED))
+        self._groups.clear()
+        for future in self._calls.values():
+            if not future.done():
+                future.set_exception(EngineUnavailable(STOPPED))

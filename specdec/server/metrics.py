@@ -2,10 +2,6 @@
 
 from __future__ import annotations
 
-import resource
-import sys
-
-import torch
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
@@ -59,7 +55,7 @@ class ServerMetrics:
 
 
 class _EngineCollector:
-    """Reads the engine thread's latest snapshot of `Engine.metrics()`; never touches the engine itself."""
+    """Reads the latest snapshot of `Engine.metrics()` the engine loop sent; never touches the engine itself."""
 
     def __init__(self, engine_loop):
         self.engine_loop = engine_loop
@@ -92,14 +88,12 @@ class _EngineCollector:
                                   value=self.engine_loop.step_errors)
         yield CounterMetricFamily("specdec_request_aborts", "Requests aborted because their client went away",
                                   value=self.engine_loop.aborted)
-        yield GaugeMetricFamily("specdec_engine_alive", "1 while the engine thread runs",
+        yield GaugeMetricFamily("specdec_engine_alive", "1 while the engine runs",
                                 value=1.0 if self.engine_loop.alive else 0.0)
         peak = GaugeMetricFamily("specdec_peak_memory_bytes", "Peak memory: device (GPU) allocations, host RSS",
                                  labels=["kind"])
-        device = self.engine_loop.engine.device
-        if device.type == "cuda":
-            peak.add_metric(["device"], torch.cuda.max_memory_allocated(device))
-        peak.add_metric(["rss"], peak_rss_bytes())
+        for kind, value in self.engine_loop.peak_memory().items():
+            peak.add_metric([kind], value)
         yield peak
 
 
@@ -109,7 +103,3 @@ def _labelled_counter(name: str, doc: str, label: str, counts: dict) -> CounterM
         family.add_metric([value], count)
     return family
 
-
-def peak_rss_bytes() -> int:
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return rss if sys.platform == "darwin" else rss * 1024  # Linux reports KiB, macOS bytes

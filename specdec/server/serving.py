@@ -16,8 +16,10 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from specdec.engine.request import TokenLogprobs
 from specdec.errors import InvalidRequestError
+from specdec.llm import encode_prompt
 from specdec.sampling import SamplingParams
 from specdec.server.choices import fit_to_context, sample_params
+from specdec.server.engine_core import EngineInfo
 from specdec.server.engine_loop import EngineLoop, Group
 from specdec.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, error_body
 
@@ -89,26 +91,31 @@ class Choice:
 
 
 class Serving:
-    def __init__(self, llm, engine_loop: EngineLoop, metrics, model_name: str):
-        self.llm = llm
-        self.engine = llm.engine
-        self.tokenizer = llm.tokenizer
+    def __init__(self, engine_loop: EngineLoop, metrics, model_name: str):
         self.engine_loop = engine_loop
         self.metrics = metrics
         self.model_name = model_name
         self._token_text: dict[int, str] = {}
 
+    @property
+    def info(self) -> EngineInfo:  # known once the engine is started (before the app serves)
+        return self.engine_loop.info
+
+    @property
+    def tokenizer(self):
+        return self.engine_loop.tokenizer
+
     # ------------------------------------------------------------------ endpoints
 
     def models(self) -> dict[str, Any]:
         return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": 0,
-                                            "owned_by": "specdec", "max_model_len": self.engine.max_model_len}]}
+                                            "owned_by": "specdec", "max_model_len": self.info.max_model_len}]}
 
     async def completions(self, body: CompletionRequest, http: HTTPRequest):
         self._check_model(body.model)
         body.check_supported()
         raw_prompts = body.prompt_list()
-        prompts = [self.llm.encode(p) for p in raw_prompts]
+        prompts = [encode_prompt(self.tokenizer, p) for p in raw_prompts]
         max_tokens = body.max_tokens
         score_only = max_tokens == 0 and body.echo
         if max_tokens == 0 and not body.echo:
@@ -155,7 +162,7 @@ class Serving:
         max_tokens = body.requested_max_tokens
         given = None if max_tokens is None else (
             "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens")
-        params = body.sampling_params(self.engine.max_model_len if max_tokens is None else max_tokens,
+        params = body.sampling_params(self.info.max_model_len if max_tokens is None else max_tokens,
                                       body.logprobs_n)
         choices = self._choices([ids], params, body.choices_per_prompt, given)
         group = await self._start(choices, generate=True)
@@ -198,9 +205,9 @@ class Serving:
         queued.  max_tokens_param names the field when the client chose max_tokens (it must then fit)."""
         choices = []
         for p, ids in enumerate(prompts):
-            self.engine.validate_request(ids, params)
+            self.info.limits.validate(ids, params)
             name = f"prompt {p} (of {len(prompts)})" if len(prompts) > 1 else "prompt"
-            fitted = fit_to_context(params, len(ids), self.engine.max_model_len, max_tokens_param, name)
+            fitted = fit_to_context(params, len(ids), self.info.max_model_len, max_tokens_param, name)
             for i, sample in enumerate(sample_params(fitted, n)):
                 choices.append(Choice(len(choices), ids, IncrementalText(self._decode, sample.stop), sample, i))
         return choices
