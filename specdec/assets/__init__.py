@@ -3,6 +3,8 @@
 ``ref-target`` (a small Qwen3 causal LM) and ``ref-draft`` (a much smaller Qwen3 drafter with the same
 tokenizer) are Hugging Face directories under this package, built by ``bench/refpair.py``;
 ``ref-head`` is the EAGLE-3 draft head of ``ref-target`` (``specdec train head``, ``bench/gpu_head.sh``);
+``ref-hybrid`` is a small Qwen3.5-shaped (hybrid) target with its own trained MTP head (``mtp.*``), on
+``ref-target``'s tokenizer (``bench/gpu_hybrid.sh``);
 ``heldout-prompts.jsonl`` holds prefixes of held-out source files, one ``{"id", "prompt", ...}`` a line.
 """
 
@@ -12,7 +14,8 @@ import os
 from pathlib import Path
 
 ASSETS_DIR = Path(__file__).resolve().parent
-SHORT_NAMES = {"ref-target": "ref-target", "ref-draft": "ref-draft", "ref-head": "ref-head"}
+SHORT_NAMES = {"ref-target": "ref-target", "ref-draft": "ref-draft", "ref-head": "ref-head",
+               "ref-hybrid": "ref-hybrid"}
 HELDOUT_PROMPTS = "heldout-prompts.jsonl"
 
 

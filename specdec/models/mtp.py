@@ -65,6 +65,7 @@ class MTPHead(nn.Module):
         self.embed_tokens: nn.Embedding | None = None  # the target's, from share_target
         self.lm_head: nn.Linear | None = None
         self.rotary = None
+        self.real_vocab: int | None = None  # a twin's: the model's vocabulary inside the LM head's padded one
 
     def share_target(self, target) -> None:
         """Use the target's (a HybridCausalLM) embedding, LM head and rotary table."""
@@ -87,7 +88,10 @@ class MTPHead(nn.Module):
         return self.norm(x)
 
     def logits(self, states: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(states)  # [N, V]: the states are normed already
+        logits = self.lm_head(states)  # [N, V]: the states are normed already
+        if self.real_vocab is not None:  # a twin's padded vocabulary is never drafted (twin_qwen3_5.make_mtp_twin)
+            logits[:, self.real_vocab:] = float("-inf")
+        return logits
 
     def target_ids(self) -> None:
         """None: the head drafts over the target's own vocabulary (no id map)."""

@@ -159,14 +159,13 @@ class HybridBuilder(_Builder):
 @torch.no_grad()
 def make_mtp_twin(head, twin) -> torch.nn.Module:
     """The twin of the small model's MTP head `head` (an MTPHead), for `twin` (the HybridCausalLM twin of that
-    model): it drafts what `head` drafts.  The result shares the twin's embedding, LM head and rotary table."""
+    model): it drafts what `head` drafts.  The result shares the twin's embedding, LM head and rotary table.
+    Where the twin pads the vocabulary, the head's logits of the padded tokens are set to -inf (its state has
+    no constant dimension to push them down, as the target's has): one elementwise write beside the LM head's
+    GEMM, which reads the padded head's bytes as the real model's would."""
     from specdec.models.mtp import MTPConfig, MTPHead
 
     small, big = head.config.layer, MTPConfig.for_target(twin.config).layer
-    if twin.config.vocab_size != small.vocab_size:
-        raise ConfigError(f"an MTP head's twin needs the twin's vocabulary to be the model's ({small.vocab_size}, "
-                          f"not {twin.config.vocab_size}): the head's state has no constant to push padded tokens "
-                          "down")
     weight = twin.lm_head.weight
     builder = HybridBuilder(head, small, big, 0.0, weight.device, weight.dtype)
     state = _CastingDict(weight.dtype)
@@ -181,6 +180,8 @@ def make_mtp_twin(head, twin) -> torch.nn.Module:
     builder.exact_eps(padded.layers[0])
     padded.load_state_dict(state, assign=True)
     padded.share_target(twin)
+    if twin.config.vocab_size != small.vocab_size:  # the head's state has no constant to push padded tokens down
+        padded.real_vocab = small.vocab_size
     return padded.eval().requires_grad_(False)
 
 
