@@ -213,7 +213,7 @@ def measure_step_cost(runner: ModelRunner, blocks: BlockManager, device: torch.d
         per_seq = 1 if n <= graph_batch else min(16, n)
         return math.ceil(n / per_seq), per_seq
 
-    sizes = [n for n in _powers_of_two(max_tokens) if _fits(blocks, *layout(n))] or [1]
+    sizes = [n for n in _powers_of_two(max_tokens) if _fits(runner, blocks, *layout(n))] or [1]
     return measure_forward_cost(lambda n: _scratch_forward(runner, blocks, *layout(n)), sizes, device)
 
 
@@ -229,7 +229,7 @@ def measure_verify_cost(runner: ModelRunner, blocks: BlockManager, device: torch
     tables = {}
     for k in ks:
         n = nodes(k)
-        sizes = [b for b in _powers_of_two(max_batch) if b * (n + 1) <= max_tokens and _fits(blocks, b, n + 1)]
+        sizes = [b for b in _powers_of_two(max_batch) if b * (n + 1) <= max_tokens and _fits(runner, blocks, b, n + 1)]
         if sizes:
             tables[k] = measure_forward_cost(lambda b, n=n: _scratch_forward(runner, blocks, b, n + 1, drafts=n),
                                              sizes, device)
@@ -240,8 +240,12 @@ def _powers_of_two(limit: int) -> list[int]:
     return [2**i for i in range(int(math.log2(max(1, limit))) + 1)]
 
 
-def _fits(blocks: BlockManager, count: int, per_seq: int) -> bool:
-    return count * blocks.blocks_for(per_seq) <= blocks.num_free
+def _fits(runner: ModelRunner, blocks: BlockManager, count: int, per_seq: int) -> bool:
+    """Whether `count` scratch sequences of `per_seq` tokens get their blocks, and on a hybrid model each its
+    recurrent-state slot (there are max_num_seqs of them)."""
+    states = getattr(runner, "states", None)
+    slots_fit = states is None or count <= len(states.free)
+    return slots_fit and count * blocks.blocks_for(per_seq) <= blocks.num_free
 
 
 def _scratch_forward(runner: ModelRunner, blocks: BlockManager, count: int, per_seq: int, drafts: int = 0) -> None:
