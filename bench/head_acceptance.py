@@ -11,6 +11,7 @@ temperature 1 (drafts at the request's own settings, exact rejection sampling). 
 
 GPU run:      python3 bench/head_acceptance.py --head ref-head --out bench/results/head-acceptance-h200.json
 CPU dry run:  python3 bench/head_acceptance.py --device cpu --prompts 4 --max-tokens 16 --out /tmp/acc.json
+MTP head:     python3 bench/head_acceptance.py --target ref-hybrid --speculators "" --mtp-ks 1,2,3,4
 """
 
 from __future__ import annotations
@@ -29,11 +30,17 @@ from bench.speculative import load_prompts  # noqa: E402
 from specdec import LLM, SamplingParams  # noqa: E402
 from specdec.speculate import SpecConfig  # noqa: E402
 
+ALL = ("eagle3", "draft", "ngram")
 
-def speculators(head: str, drafter: str, k: int, tree_widths: list[int] = ()) -> dict[str, SpecConfig]:
+def speculators(head: str, drafter: str, k: int, tree_widths: list[int] = (), names: list[str] = ALL,
+                mtp_ks: list[int] = ()) -> dict[str, SpecConfig]:
+    """The configs measured, by name; mtp-kK: a Qwen3.5 target's own MTP head drafting K tokens."""
     configs = {"eagle3": SpecConfig("eagle3", model=head, num_draft_tokens=k, adaptive=False),
                "draft": SpecConfig("draft", model=drafter, num_draft_tokens=k, adaptive=False),
                "ngram": SpecConfig("ngram", num_draft_tokens=k, adaptive=False)}
+    configs = {name: config for name, config in configs.items() if name in names}
+    for mtp_k in mtp_ks:
+        configs[f"mtp-k{mtp_k}"] = SpecConfig("mtp", num_draft_tokens=mtp_k, adaptive=False)
     for width in tree_widths:  # the head drafting trees of k depths, `width` candidates a depth
         configs[f"eagle3-tree{width}"] = SpecConfig("eagle3", model=head, num_draft_tokens=k, adaptive=False,
                                                     tree_width=width)
@@ -55,13 +62,13 @@ def per_position(before: dict, after: dict, k: int) -> dict:
             "acceptance": round(sum(accepted) / max(1, steps * k), 4)}
 
 
-def measure(model: str, config: SpecConfig | None, prompts: list[str], params: SamplingParams, device: str,
-            k: int) -> tuple[dict, list[list[int]]]:
+def measure(model: str, config: SpecConfig | None, prompts: list[str], params: SamplingParams, device: str
+            ) -> tuple[dict, list[list[int]]]:
     # counts only, so no CUDA graphs to capture; a fixed KV size, as the engines run one after another
     llm = LLM(model, device=device, speculator=config, kv_cache_tokens=65536, cuda_graphs=False)
     before = dict(llm.engine.metrics())
     outs = llm.generate(prompts, params)
-    row = per_position(before, llm.engine.metrics(), k) if config is not None else {}
+    row = per_position(before, llm.engine.metrics(), config.num_draft_tokens) if config is not None else {}
     row["tokens"] = sum(len(o.token_ids) for o in outs)
     del llm
     return row, [o.token_ids for o in outs]
@@ -98,6 +105,8 @@ def main(argv=None) -> int:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--temperatures", default="0,1")
     parser.add_argument("--tree-widths", default="", help="also the head drafting trees of these widths (e.g. 2,3)")
+    parser.add_argument("--speculators", default=",".join(ALL), help="which of eagle3, draft, ngram ('' for none)")
+    parser.add_argument("--mtp-ks", default="", help="also the target's own MTP head at these k (e.g. 1,2,3,4)")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--out", default="bench/results/head-acceptance-h200.json")
     args = parser.parse_args(argv)
@@ -106,13 +115,15 @@ def main(argv=None) -> int:
               "k": args.k, "prompts": len(prompts), "max_tokens": args.max_tokens, "rows": {}}
     for temperature in (float(t) for t in args.temperatures.split(",")):
         params = SamplingParams(max_tokens=args.max_tokens, temperature=temperature, ignore_eos=True, seed=0)
-        plain = measure(args.target, None, prompts, params, args.device, args.k)[1] if temperature == 0 else None
+        plain = measure(args.target, None, prompts, params, args.device)[1] if temperature == 0 else None
         if temperature > 0:
             record["rows"][f"target-t{temperature:g}"] = target_uncertainty(args.target, prompts, params, args.device)
             print(f"target  T={temperature:g}  {record['rows'][f'target-t{temperature:g}']}", flush=True)
         widths = [int(w) for w in args.tree_widths.split(",") if w]
-        for name, config in speculators(args.head, args.drafter, args.k, widths).items():
-            row, outputs = measure(args.target, config, prompts, params, args.device, args.k)
+        names = [n for n in args.speculators.split(",") if n]
+        mtp_ks = [int(k) for k in args.mtp_ks.split(",") if k]
+        for name, config in speculators(args.head, args.drafter, args.k, widths, names, mtp_ks).items():
+            row, outputs = measure(args.target, config, prompts, params, args.device)
             if plain is not None:
                 row["greedy_equal_to_plain"] = sum(o == p for o, p in zip(outputs, plain)) / len(plain)
             record["rows"][f"{name}-t{temperature:g}"] = row

@@ -243,6 +243,8 @@ def main(argv=None) -> int:
     configs.update({f"eagle3-k{k}": SpecConfig("eagle3", num_draft_tokens=k, adaptive=False, **head)
                     for k in (3, 5, 7)})
     configs["ngram-adaptive-k8"] = SpecConfig("ngram", num_draft_tokens=8)
+    configs.update({f"mtp-k{k}": SpecConfig("mtp", num_draft_tokens=k, adaptive=False) for k in (1, 2, 3, 4)})
+    configs["mtp-adaptive-k4"] = SpecConfig("mtp", num_draft_tokens=4)  # a Qwen3.5 target's own MTP head
     configs["eagle3-adaptive-k7"] = SpecConfig("eagle3", num_draft_tokens=7, **head)
     for width, k in ((2, 7), (3, 5), (4, 4)):  # draft trees of at most 16 nodes (the Triton kernel's 17 rows)
         configs[f"eagle3-tree{width}-k{k}"] = SpecConfig("eagle3", num_draft_tokens=k, adaptive=False,
