@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One GPU call for the Qwen3.5-27B twin with its MTP head (issue 22): ref-hybrid as the qwen3.5-27b twin
-# (eager: hybrids run no CUDA graphs yet), (1) bench/spec_steps.py at batch 1: plain and MTP k = 1, 2 step
-# times, tokens per step and engine memory; (2) the judge, stock against MTP k = 1, in the judge's alternate
-# layout (one ~55 GB engine up at a time: two do not fit one 80 GB card).  Each stage has its own limit.
+# (eager: hybrids run no CUDA graphs yet), (1) the judge, stock against MTP k = 1, in the judge's alternate
+# layout (one ~55 GB engine up at a time: two do not fit one 80 GB card); (2) bench/spec_steps.py at batch 1:
+# plain and MTP step times, tokens per step and engine memory.  Each stage has its own limit.
 # Usage on the device:  SPECDEC_COMMIT=<sha> bash bench/gpu_hybrid_judge.sh "$OUT"   (.whl carried)
 OUT=${1:-/tmp/out}; mkdir -p "$OUT"
 [ -d .whl ] && { python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1; }
@@ -13,17 +13,17 @@ nvidia-smi -L
 STAGE_MIN_S=20 STAGE_TAIL=${STAGE_TAIL:-25}
 source "$(dirname "$0")/stage.sh"
 TWIN=${TWIN:-qwen3.5-27b}
-[ "${STEPS:-1}" = 1 ] && stage specsteps ${STEPS_STAGE_S:-170} python3 bench/spec_steps.py --target ref-hybrid \
-  --target-twin "$TWIN" --configs ${STEPS_CONFIGS:-plain,mtp-k1,mtp-k2} --prompts ${STEPS_PROMPTS:-3} --tokens 48 \
-  --out "$OUT/spec-steps-twin27b-mtp.json"
 SERVE="python3 -m specdec.cli serve ref-hybrid --twin $TWIN --device cuda --max-num-seqs ${MAX_SEQS:-24} \
   --kv-cache-tokens ${KV_TOKENS:-4096} --max-model-len 2048"
-stage judge ${JUDGE_STAGE_S:-560} python3 -m specdec.cli judge --stock "$SERVE" \
+stage judge ${JUDGE_STAGE_S:-450} python3 -m specdec.cli judge --stock "$SERVE" \
   --candidate "$SERVE --speculator mtp --num-draft-tokens ${MTP_K:-1}" --layout alternate \
   ${JUDGE_SIZES:---num-prompts 8 --max-tokens 48 --concurrency 16 --busy-max-tokens 64 --gate-prompts 8} --passes 3 \
   --request-timeout 120 --startup-timeout 240 --quiet --out "$OUT/judge-twin27b-mtp" \
   --title "ref-hybrid as qwen3.5-27b twin, its MTP head (k=${MTP_K:-1})"
 cp "$OUT/judge-twin27b-mtp/record.json" "$OUT/judge-h200-twin27b-mtp.json" 2>/dev/null
-rm -f "$OUT/judge-twin27b-mtp"/*.log
+for f in "$OUT/judge-twin27b-mtp"/*.log; do tail -c 300000 "$f" > "$f.tail"; rm -f "$f"; done  # their ends, if it failed
+[ "${STEPS:-1}" = 1 ] && stage specsteps ${STEPS_STAGE_S:-170} python3 bench/spec_steps.py --target ref-hybrid \
+  --target-twin "$TWIN" --configs ${STEPS_CONFIGS:-plain,mtp-k1,mtp-k2} --prompts ${STEPS_PROMPTS:-3} --tokens 48 \
+  --out "$OUT/spec-steps-twin27b-mtp.json"
 nvidia-smi --query-gpu=memory.used,memory.total --format=csv
 ls -la "$OUT"
