@@ -117,7 +117,8 @@ def processed_probs_tensors(logits: torch.Tensor, temperature: torch.Tensor, top
     cut = torch.where(top_p < 1.0, top_p, float("inf")).unsqueeze(-1)  # [N, 1]: top_p 1 keeps every token
     kept = sorted_probs * _nucleus(sorted_probs, cut)
     probs = torch.zeros_like(kept).scatter_(-1, order, kept / kept.sum(-1, keepdim=True))  # [N, V]
-    one_hot = torch.nn.functional.one_hot(logits.argmax(-1), vocab).float()  # [N, V]
+    # a greedy row: its argmax's one-hot (scattered: F.one_hot reads its input on the host, off a GPU)
+    one_hot = torch.zeros_like(probs).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)  # [N, V]
     return torch.where(greedy.unsqueeze(-1), one_hot, probs)
 
 
