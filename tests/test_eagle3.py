@@ -214,14 +214,16 @@ def test_the_verifier_reads_q_in_the_heads_draft_vocabulary(sampled_eagle_llm, m
 def test_sampled_tokens_follow_the_target_distribution_through_head_graphs(qwen3_dir, head_dir):
     llm = eagle_llm(qwen3_dir, head_dir, 2, max_num_seqs=64, kv_cache_tokens=16384, static_shapes=True,
                     max_graph_batch=64)
-    graphs, padded = llm.engine.speculator.graphs, []
-    run_layout = graphs.run_layout
-    graphs.run_layout = lambda *a: padded.append(1) or run_layout(*a)
+    spec, padded, chains = llm.engine.speculator, [], []
+    run_layout, run_chain = spec.graphs.run_layout, spec.chain_graphs.run_chain
+    spec.graphs.run_layout = lambda *a: padded.append(1) or run_layout(*a)
+    spec.chain_graphs.run_chain = lambda *a: chains.append(1) or run_chain(*a)
     prompt = [5, 17, 30, 2, 9]
     counts, outs = _token2_counts(llm, prompt, 4000)
     assert sum(o.num_accepted for o in outs) > 300 and sum(o.num_drafted - o.num_accepted for o in outs) > 300
     assert chi_square_p(counts, _exact_token2_marginal(qwen3_dir, prompt)) > 1e-3
-    assert len(padded) > 50  # the chain and the observes after verify steps went through the padded buckets
+    assert len(padded) > 50  # the observes after verify steps went through the padded buckets
+    assert len(chains) > 50  # and the chains through the chain graphs, their draws inside
 
 
 @pytest.mark.parametrize("broken", [False, True])

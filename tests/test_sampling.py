@@ -78,6 +78,25 @@ def test_processed_probs_rows_equal_row_by_row_processing():
         assert torch.allclose(rows[i], processed_probs(logits[i:i + 1], p)[0])
 
 
+def test_processed_probs_tensors_equal_row_by_row_processing():
+    """Settings as tensors (the form a CUDA graph reads): each row as processed_probs gives it, for greedy rows,
+    temperatures, top-k (with a tie at the k-th logit), top-p and both together."""
+    from specdec.sampling import processed_probs, processed_probs_tensors
+
+    logits = torch.randn(9, 40, generator=torch.Generator().manual_seed(5))
+    logits[2, 7] = logits[2].topk(5).values[-1]  # row 2 (top_k 5) keeps both tokens tied at the 5th logit
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.7, top_p=0.9),
+              SamplingParams(temperature=1.0, top_k=5), SamplingParams(temperature=1.3),
+              SamplingParams(temperature=0.5, top_k=10, top_p=0.8), SamplingParams(temperature=0.0, top_k=3),
+              SamplingParams(temperature=2.0, top_k=40), SamplingParams(temperature=1.0, top_p=0.3),
+              SamplingParams(temperature=0.9, top_k=1)]
+    rows = processed_probs_tensors(logits, torch.tensor([p.temperature for p in params]),
+                                   torch.tensor([p.top_k for p in params]), torch.tensor([p.top_p for p in params]))
+    for i, p in enumerate(params):
+        torch.testing.assert_close(rows[i], processed_probs(logits[i:i + 1], p)[0], atol=1e-6, rtol=0)
+    assert int((rows[2] > 0).sum()) == 6 and int((rows[8] > 0).sum()) == 1
+
+
 def test_drafters_row_sampler_follows_each_rows_distribution_and_seeds_reproduce():
     from specdec.speculate.draw import draw_drafts
 

@@ -27,7 +27,9 @@ are m independent draws from the head's distribution at its settings, verified a
 
 With static shapes (on a GPU, with the target's) the forwards run through HeadGraphs: padded buckets
 replayed as CUDA graphs, inputs staged without waiting for the device; an observe of a prefill's many
-positions runs eagerly beside them.
+positions runs eagerly beside them.  A chain (tree_width 1) whose shape fits runs whole as one ChainGraphs
+replay (specdec/speculate/chain_graph.py): every draw and forward on the device, settings and uniforms as
+tensors; trees and shapes that do not fit go step by step.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from specdec.engine.runner import flat_attention_batch
 from specdec.engine.scheduler import ScheduledSeq
 from specdec.models.eagle3 import Eagle3Head
 from specdec.speculate.base import Speculator
+from specdec.speculate.chain_graph import ChainGraphs
 from specdec.speculate.draw import draw_drafts
 from specdec.speculate.head_graphs import HeadGraphs
 from specdec.transfer import upload
@@ -80,10 +83,14 @@ class Eagle3Speculator(Speculator):
         self.target_ids = head.target_ids()  # [V_draft]
         self.max_positions = head.config.layer.max_position_embeddings
         self.states: dict[str, HeadState] = {}
-        self.graphs = None
+        self.graphs = self.chain_graphs = None
         if static_shapes:  # q up to 33: an observe after a verify of up to 32 drafts, as the target's steps
             self.graphs = HeadGraphs(head, self.kv, self.device, max_batch, max_q=33, max_context=max_context,
                                      capture=cuda_graphs)
+            self.chain_graphs = ChainGraphs(head, self.kv, self.device, max_batch, max_depth=32,
+                                            max_context=max_context, capture=cuda_graphs,
+                                            target_ids=self.target_ids, pool=self.graphs.pool)
+        self.step_by_step = False  # True: chains take the step-by-step path even where a chain graph fits
         self.runner = HeadCostRunner(self)
         self.stats = {"draft_forwards": 0, "head_tokens_observed": 0, "skipped_no_blocks": 0,
                       "head_eager_forwards": 0}  # forwards that did not fit the padded buckets
@@ -150,6 +157,10 @@ class Eagle3Speculator(Speculator):
         last = [self.states[r.request_id] for r in reqs]
         states = torch.cat([s.last for s in last])  # [B, H]
         logits = torch.cat([s.last_logits for s in last]) if all(s.last_logits is not None for s in last) else None
+        shape = self._chain_graph_shape(active)
+        if shape is not None:
+            self._chain_in_graph(active, shape, states, logits, uniforms)
+            return
         drawn = [self._draw(reqs, states, logits, uniforms, 0)]  # per forward: its tokens, q rows
         for i in range(1, active[0][1]):
             live = sum(1 for _, k in active if k > i)
@@ -161,6 +172,26 @@ class Eagle3Speculator(Speculator):
             self.stats["draft_forwards"] += 1
             drawn.append(self._draw(reqs, states, logits, uniforms, i))
         self._hand_out(active, drawn)
+
+    def _chain_graph_shape(self, active: list[tuple[Request, int]]) -> tuple[int, int, int] | None:
+        """The chain graph's (batch, depth, context) bucket for this chain, or None: a tree, no static shapes, or
+        a shape that does not fit (they go step by step)."""
+        if self.tree_width != 1 or self.chain_graphs is None or self.step_by_step:
+            return None
+        shape = self.chain_graphs.chain_shape(active)
+        return shape if self.chain_graphs.shape_fits(shape) else None
+
+    def _chain_in_graph(self, active, shape, states: torch.Tensor, logits: torch.Tensor | None,
+                        uniforms: torch.Tensor | None) -> None:
+        """The whole chain as one replay (specdec/speculate/chain_graph.py), then the one read-back."""
+        if logits is None:  # an eager observe's output (a prefill): its logits, queued on the device
+            logits = self.head.logits(states)  # [B, V_draft]
+        tokens, q = self.chain_graphs.run_chain(active, shape, states, logits,
+                                                None if uniforms is None else uniforms[:, :, 0])
+        self.stats["draft_forwards"] += active[0][1] - 1
+        rows = tokens.tolist()  # [B, depth]: the one host sync
+        self._give(active, [[[t] for t in rows[row][:k]] for row, (_, k) in enumerate(active)],
+                   self._q_rows(active, lambda row, k: [q[row, :k]]))
 
     def _chain_uniforms(self, active: list[tuple[Request, int]]) -> torch.Tensor | None:
         """[B, k_max, m] the uniforms of every draw of the chain (m = tree_width draws a depth, one uniform each),
@@ -184,22 +215,29 @@ class Eagle3Speculator(Speculator):
         fed row r, 0 the root's)."""
         counts = [tokens.shape[0] for tokens, _ in drawn]  # forward i's live rows
         tops = [t.tolist() for t in torch.cat([t.view(t.shape[0], -1) for t, _ in drawn]).split(counts)]
-        probs = self._q_rows(active, drawn)
+        self._give(active, [[tops[d][row] for d in range(k)] for row, (_, k) in enumerate(active)],
+                   self._q_rows(active, lambda row, k: [qs[row] for _, qs in drawn if row < len(qs)]))
+
+    def _give(self, active, candidates: list[list[list[int]]], probs) -> None:
+        """candidates[row][d]: request row's candidates at depth d (target ids, the spine's first); probs: each
+        sampled request's q [k, V_draft] in turn."""
         for row, (req, k) in enumerate(active):
-            req.draft_token_ids = [tops[d][row][0] for d in range(k)] + [t for d in range(k) for t in tops[d][row][1:]]
+            tops = candidates[row]
+            req.draft_token_ids = [c[0] for c in tops] + [t for c in tops for t in c[1:]]
             if self.tree_width > 1:
                 req.draft_parents = spine_and_siblings(k, self.tree_width)
             if not req.params.greedy:
                 req.draft_probs = next(probs)  # [k, V_draft]
                 req.draft_vocab = self.target_ids  # [V_draft], or None: q is in the target vocabulary already
 
-    def _q_rows(self, active, drawn):
+    def _q_rows(self, active, rows_of):
         """Every sampled request's q rows [k, V_draft] in turn, left in the draft vocabulary (the verifier reads
-        them there through target_ids; without target_ids, draft id i is target id i)."""
+        them there through target_ids; without target_ids, draft id i is target id i); rows_of(row, k): the
+        request's q rows, as tensors [n, V_draft] to concatenate."""
         sampled = [(row, k) for row, (req, k) in enumerate(active) if not req.params.greedy]
         if not sampled:
             return iter(())
-        q = torch.cat([qs[row] for row, _ in sampled for _, qs in drawn if row < len(qs)])  # [sum k, V_draft]
+        q = torch.cat([t for row, k in sampled for t in rows_of(row, k)])  # [sum k, V_draft]
         if self.target_ids is None:
             q = in_target_vocab(q, self.target_vocab, None)  # [sum k, V_target]: padded if narrower
         return iter(torch.split(q, [k for _, k in sampled]))
@@ -253,10 +291,14 @@ class Eagle3Speculator(Speculator):
 
     def precapture_graphs(self, ks: list[int]) -> int:
         """Capture the head's buckets before serving: chain steps (q = 1) and observes after a verify of each
-        k the controller may choose (q = k + 1).  Returns how many shapes."""
+        k the controller may choose (q = k + 1), and for chains a chain graph of each depth k.  Returns how many
+        shapes."""
         if self.graphs is None or not self.graphs.capture:
             return 0
-        return self.graphs.precapture([1] + [k + 1 for k in ks])
+        count = self.graphs.precapture([1] + [k + 1 for k in ks])
+        if self.tree_width == 1:  # a chain of each depth k as one graph
+            count += self.chain_graphs.precapture(ks)
+        return count
 
     # ------------------------------------------------------------------
 
