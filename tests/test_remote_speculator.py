@@ -205,8 +205,8 @@ def test_the_health_counters_reach_the_prometheus_exposition():
     spec = RemoteSpeculator(closed_port_url(), timeout_s=0.2, vocab_size=96, backoff_s=0.0)
     step(spec)
     spec.close()
-    engine = types.SimpleNamespace(device=types.SimpleNamespace(type="cpu"))
-    loop = types.SimpleNamespace(snapshot=spec.metrics(), step_errors=0, aborted=0, alive=True, engine=engine)
+    loop = types.SimpleNamespace(snapshot=spec.metrics(), step_errors=0, aborted=0, alive=True,
+                                 peak_memory=lambda: {"rss": 1})
     text = ServerMetrics(loop).render().decode()
     assert 'specdec_remote_draft_failures_by_reason_total{reason="refused"} 2.0' in text
     assert 'specdec_remote_draft_failures_by_reason_total{reason="timeout"} 0.0' in text
