@@ -34,10 +34,12 @@ PARAMS = {"max_tokens": "max_tokens", "temperature": "temperature", "top_p": "to
 def create_app(engine, served_model_name: str | None = None, api_key: str | None = None,
                max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
     """An app serving `engine`: an EngineSpec (the arguments of an LLM, built and stepped in an engine process
-    of its own) or an LLM already built here (stepped on a thread of this process).  The engine starts with
+    of its own), an EngineProcess (launched already, or not), or an LLM already built here (stepped on a thread of this process).  The engine starts with
     the app (lifespan; the app does not serve until the engine is ready) and stops with it."""
     if isinstance(engine, EngineSpec):
-        llm, transport, model_name = None, EngineProcess(engine), served_model_name or engine.model
+        engine = EngineProcess(engine)
+    if isinstance(engine, EngineProcess):
+        llm, transport, model_name = None, engine, served_model_name or engine.spec.model
     else:
         llm, transport = engine, InThread(engine)
         model_name = served_model_name or str(getattr(llm, "model_dir", "model"))

@@ -34,15 +34,16 @@ def default_model_name(args: argparse.Namespace) -> str:
 def cmd_serve(args: argparse.Namespace) -> int:
     from specdec.cli import engine_kwargs
     from specdec.server.app import create_app
-    from specdec.server.engine_process import EngineSpec
+    from specdec.server.engine_process import EngineProcess, EngineSpec
     from specdec.server.process import serve
 
     if args.tensor_parallel_size != 1:  # ranks > 0 would need rank 0's requests mirrored to them
         from specdec.errors import ConfigError
 
         raise ConfigError("serve does not support --tensor-parallel-size yet: use specdec generate under torchrun")
-    spec = EngineSpec(args.model, dict(speculator=spec_config_from_args(args), **engine_kwargs(args)))
-    app = create_app(spec, args.served_model_name or default_model_name(args), args.api_key,
+    engine = EngineProcess(EngineSpec(args.model, dict(speculator=spec_config_from_args(args), **engine_kwargs(args))))
+    engine.launch()  # built before the port opens: a bad model or flag ends the command with its reason
+    app = create_app(engine, args.served_model_name or default_model_name(args), args.api_key,
                      int(args.max_body_mb * (1 << 20)))
     serve(app, args.host, args.port, log_level=args.log_level)
     return 0

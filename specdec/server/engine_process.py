@@ -64,10 +64,15 @@ class EngineProcess:
         self.spec = spec
         self.process: multiprocessing.process.BaseProcess | None = None
         self._commands = None  # our end of the command pipe
+        self._events = None  # our end of the event pipe
+        self._info: EngineInfo | None = None
 
-    def start(self, deliver: Callable[[Outputs | None], None]) -> tuple[EngineInfo, Any]:
-        """Spawn the engine process and wait (minutes, on a GPU) until it is ready; then a thread passes
-        what it sends to `deliver`.  Raises EngineStartError naming why it could not start."""
+    def launch(self) -> None:
+        """Spawn the engine process and wait (minutes, on a GPU) until it is ready; raises EngineStartError
+        naming why it could not start.  `specdec serve` calls it before opening its port, so that a bad model
+        or flag ends the command with its reason alone; `start` calls it if nobody has."""
+        if self.process is not None:
+            return
         ctx = multiprocessing.get_context("spawn")
         commands_out, self._commands = ctx.Pipe(duplex=False)
         events, events_in = ctx.Pipe(duplex=False)
@@ -81,9 +86,15 @@ class EngineProcess:
         if isinstance(first, Failed):
             self.stop()
             raise EngineStartError(f"the engine process failed to build the engine: {first.message}")
-        threading.Thread(target=self._read, args=(events, deliver), name="specdec-engine-reader", daemon=True).start()
-        log.info("engine process %d ready (%s on %s)", self.process.pid, first.info.model_dir, first.info.device)
-        return first.info, _tokenizer(first.info)
+        self._events, self._info = events, first.info
+
+    def start(self, deliver: Callable[[Outputs | None], None]) -> tuple[EngineInfo, Any]:
+        """Launch the engine process if nobody has; then a thread passes what it sends to `deliver`."""
+        self.launch()
+        threading.Thread(target=self._read, args=(self._events, deliver), name="specdec-engine-reader",
+                         daemon=True).start()
+        log.info("engine process %d ready (%s on %s)", self.process.pid, self._info.model_dir, self._info.device)
+        return self._info, _tokenizer(self._info)
 
     def _first_message(self, events) -> Ready | Failed:
         try:
