@@ -372,7 +372,10 @@ def run_pipeline(run: DrafterRun, quiet: bool = False) -> dict:
         if run.train.batch_size % world:
             raise ValueError(f"--batch-size {run.train.batch_size} (the global batch) is not a multiple of the "
                              f"world size {world}")
-        return _run_pipeline(run, quiet, rank, world)
+        result = _run_pipeline(run, quiet, rank, world)
+        if made:  # the ranks end together: one tearing its group down while rank 0 still exports aborted it
+            torch.distributed.barrier()
+        return result
     finally:
         if made:
             torch.distributed.destroy_process_group()
