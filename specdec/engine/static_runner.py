@@ -260,9 +260,16 @@ class StaticRunner:
         if self.tree_masks and q > 1:
             size = _input_size(batch, q, cols)
             tree = self.inputs[size:size + batch * q * q].view(batch, q, q) != 0  # [batch, q, q]
-        attn = AttentionBatch(
+        return self._call(ids, positions, self._uniform_attention(batch, q, ctx, tables, slots, context, tree),
+                          batch * q)
+
+    def _uniform_attention(self, batch: int, q: int, context_lens: torch.Tensor, tables: torch.Tensor,
+                           slots: torch.Tensor, context: int, tree: torch.Tensor | None = None) -> AttentionBatch:
+        """The AttentionBatch of a padded step: `batch` sequences of q query rows each, context_lens [batch],
+        block tables [batch, columns], slots [batch * q], at most `context` keys a sequence."""
+        return AttentionBatch(
             query_start=torch.arange(0, batch * q + 1, q, device=self.device),
-            context_lens=ctx,
+            context_lens=context_lens,
             block_tables=tables,
             slot_mapping=slots,
             max_query_len=q,
@@ -270,7 +277,6 @@ class StaticRunner:
             uniform=True,
             tree_mask=tree,
         ).prepare(self.block_size)
-        return self._call(ids, positions, attn, batch * q)
 
     def _call(self, ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBatch, rows: int) -> torch.Tensor:
         """The model on a padded step's rows (a subclass feeds other inputs beside them)."""

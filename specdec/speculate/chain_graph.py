@@ -28,7 +28,6 @@ import torch
 from specdec.engine.kv_cache import KVCache
 from specdec.engine.request import Request
 from specdec.engine.static_runner import StaticRunner, _input_views
-from specdec.models.attention import AttentionBatch
 from specdec.models.eagle3 import Eagle3Head
 from specdec.sampling import processed_probs_tensors
 from specdec.speculate.draw import inverse_cdf
@@ -112,13 +111,5 @@ class ChainGraphs(StaticRunner):
               tables: torch.Tensor, context: int) -> torch.Tensor:
         """One head forward of one token a sequence: ids, positions, slots [batch], states [batch, H] ->
         [batch, H]; each sequence sees its keys up to its position."""
-        attn = AttentionBatch(
-            query_start=torch.arange(0, len(ids) + 1, device=self.device),
-            context_lens=positions + 1,
-            block_tables=tables,
-            slot_mapping=slots,
-            max_query_len=1,
-            max_context_len=context,
-            uniform=True,
-        ).prepare(self.block_size)
+        attn = self._uniform_attention(len(ids), 1, positions + 1, tables, slots, context)
         return self.model(ids, positions, states, attn, self.kv_cache.layers[0])
