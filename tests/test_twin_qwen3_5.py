@@ -11,8 +11,7 @@ from specdec.engine.engine import Engine, EngineConfig
 from specdec.models.config import ModelConfig
 from specdec.models.loader import load_model
 from specdec.models.twin import SHAPES, head_dim_map, make_twin, twin_config
-from specdec.models.mtp import read_mtp_head
-from specdec.models.twin_qwen3_5 import layer_placement, make_mtp_twin
+from specdec.models.twin_qwen3_5 import layer_placement
 from specdec.speculate import SpecConfig
 from tests.test_mtp import save_with_mtp
 from tests.test_qwen3_5 import build_hf
