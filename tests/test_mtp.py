@@ -161,6 +161,16 @@ def test_greedy_equals_plain_decoding(target, k):
     assert llm.engine.metrics()["draft_tokens"] > 0
 
 
+@pytest.mark.parametrize("k", [1, 3])
+def test_greedy_equals_plain_decoding_in_fixed_shape_steps(target, k):
+    """The CUDA-graph path (padded decode / verify steps, run eagerly on a CPU) with the head's drafts."""
+    path, expected = target
+    llm = mtp_llm(path, k, static_shapes=True)
+    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == expected
+    assert llm.engine.metrics()["accepted_tokens"] > 0
+    assert llm.engine.runner.eager_forwards < llm.engine.stats["steps"] / 2
+
+
 def test_greedy_equals_plain_under_preemption_and_chunked_prefill(target):
     path, expected = target
     llm = mtp_llm(path, 3, kv_cache_tokens=96, max_num_batched_tokens=8)
@@ -200,6 +210,13 @@ def test_sampled_tokens_follow_the_target(target, broken, monkeypatch):
     """Drafts sampled from the head at temperature 1, verified on the hybrid target: the second token follows the
     target's exact marginal; an accept-everything verifier fails the same check."""
     check_sampled_token2(target[0], SpecConfig("mtp", num_draft_tokens=2, adaptive=False), 1200, broken, monkeypatch)
+
+
+@pytest.mark.parametrize("broken", [False, True])
+def test_sampled_tokens_follow_the_target_in_fixed_shape_steps(target, broken, monkeypatch):
+    """The same through padded verify steps, whose recurrent states are committed on the device."""
+    check_sampled_token2(target[0], SpecConfig("mtp", num_draft_tokens=2, adaptive=False), 1200, broken, monkeypatch,
+                         static_shapes=True)
 
 
 # ---------------------------------------------------------------------------------------------- refusals

@@ -70,8 +70,33 @@ def test_ngram_speculation_equals_plain_decoding(hybrid, k):
 
 def test_hybrid_refuses_what_it_cannot_run(hybrid):
     path, _ = hybrid
-    with pytest.raises(ConfigError, match="hybrid"):
-        LLM(path, device="cpu", static_shapes=True, kv_cache_tokens=256)
+    for option in ("piecewise_graphs", "compile_graphs"):
+        with pytest.raises(ConfigError, match="hybrid"):
+            LLM(path, device="cpu", static_shapes=True, kv_cache_tokens=256,
+                **{option: True if option == "piecewise_graphs" else "inductor"})
+
+
+@pytest.mark.parametrize("speculator", [None, "ngram-1", "ngram-4", "draft-3", "eagle3-2"])
+def test_fixed_shape_steps_equal_transformers(hybrid, drafter, hybrid_head, speculator):
+    """Decode and verify steps padded to fixed shapes (the CUDA-graph path, run eagerly on a CPU): padding
+    sequences on the scratch slot, padding rows of verify steps deferred and committed on the device; greedy
+    output still equals transformers', with and without speculation, through preemption and chunking."""
+    path, expected = hybrid
+    spec = None
+    if speculator is not None:
+        method, k = speculator.split("-")
+        model = {"ngram": None, "draft": str(drafter), "eagle3": str(hybrid_head)}[method]
+        spec = SpecConfig(method, model=model, num_draft_tokens=int(k), adaptive=False)
+    padded, llm = generate(path, static_shapes=True, speculator=spec)
+    assert padded == expected
+    engine = llm.engine
+    assert engine.runner.eager_forwards < engine.stats["steps"] / 2  # most steps took the padded path
+    if spec is not None:
+        drafted, accepted = engine.metrics()["draft_tokens"], engine.metrics()["accepted_tokens"]
+        assert drafted > accepted and (accepted > 0 or method != "ngram")  # rejections (and n-gram's hits)
+    assert sorted(engine.states.free) == list(range(engine.config.max_num_seqs + 1))
+    tight, llm = generate(path, static_shapes=True, speculator=spec, kv_cache_tokens=96, max_num_batched_tokens=8)
+    assert tight == expected and llm.engine.scheduler.num_preemptions > 0
 
 
 def _token2_marginal(path, prompt: list[int]) -> np.ndarray:
@@ -135,16 +160,16 @@ def test_an_eagle3_head_s_sampled_drafts_on_a_hybrid_follow_the_target(hybrid, h
     check_sampled_token2(hybrid[0], spec, 1200, broken, monkeypatch)
 
 
-def check_sampled_token2(path, spec: SpecConfig, n: int, broken: bool, monkeypatch) -> None:
-    """n requests of one prompt sampled at temperature 1 with speculator spec on the hybrid target at path: the
-    second token follows the target's exact marginal, with enough drafts kept and rejected to tell; with broken,
-    an accept-everything verifier, the same check fails."""
+def check_sampled_token2(path, spec: SpecConfig, n: int, broken: bool, monkeypatch, **engine) -> None:
+    """n requests of one prompt sampled at temperature 1 with speculator spec on the hybrid target at path (engine:
+    more LLM options): the second token follows the target's exact marginal, with enough drafts kept and rejected
+    to tell; with broken, an accept-everything verifier, the same check fails."""
     import specdec.engine.sampler as sampler
 
     if broken:
         monkeypatch.setattr(sampler, "accept_ragged", accept_everything)
     prompt = [5, 17, 30, 2, 9, 41]
-    llm = LLM(path, device="cpu", kv_cache_tokens=16384, block_size=4, max_num_seqs=256, speculator=spec)
+    llm = LLM(path, device="cpu", kv_cache_tokens=16384, block_size=4, max_num_seqs=256, speculator=spec, **engine)
     outs = llm.generate([prompt] * n, SamplingParams(max_tokens=3, temperature=1.0, ignore_eos=True))
     marginal = _token2_marginal(path, prompt)
     counts = np.bincount([o.token_ids[1] for o in outs], minlength=len(marginal))

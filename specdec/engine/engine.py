@@ -161,14 +161,18 @@ class Engine:
         from specdec.engine.static_runner import StaticRunner
 
         use = self.config.static_shapes if self.config.static_shapes is not None else self.device.type == "cuda"
-        if self.model.config.is_hybrid:  # its steps run eagerly so far
-            if self.config.static_shapes:
-                raise ConfigError("static_shapes (CUDA graphs) do not run hybrid models (Qwen3.5) yet: leave it unset")
-            return None
         if not use:
             return None
-        return StaticRunner(self.model, self.kv_cache, self.device, min(self.config.max_graph_batch,
-                            self.config.max_num_seqs), max_q=33,
+        max_batch = min(self.config.max_graph_batch, self.config.max_num_seqs)
+        if self.states is not None:  # a hybrid model: its recurrent-state slots ride in the fixed-shape steps
+            from specdec.engine.static_hybrid import HybridStaticRunner
+
+            if self.config.compile_graphs:
+                raise ConfigError("compile_graphs does not run hybrid models (Qwen3.5) yet: leave it unset")
+            return HybridStaticRunner(self.model, self.kv_cache, self.device, max_batch, max_q=33,
+                                      max_context=self.graph_context_bound, capture=self.config.cuda_graphs,
+                                      state_slots=self.states)
+        return StaticRunner(self.model, self.kv_cache, self.device, max_batch, max_q=33,
                             max_context=self.graph_context_bound,
                             capture=self.config.cuda_graphs, compile_backend=self.config.compile_graphs)
 

@@ -11,6 +11,8 @@ its tokens, so a hit could not resume the linear layers.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from specdec.engine.request import Request
@@ -21,26 +23,37 @@ from specdec.models.recurrent_state import StateBatch, commit, new_state_pools
 
 class StateSlots:
     def __init__(self, config: ModelConfig, num_slots: int, device: torch.device, dtype: torch.dtype):
-        self.conv, self.ssm = new_state_pools(config, num_slots + 1, device, dtype)
+        self.conv, self.ssm = new_state_pools(config, num_slots + 2, device, dtype)
         self.free = list(range(num_slots, -1, -1))  # slot num_slots: a scoring pass's (all_logits)
-        self.last: StateBatch | None = None  # the last forward's, for commit
+        self.scratch = num_slots + 1  # the padding sequences' of fixed-shape steps: never a request's
+        self.last: StateBatch | None = None  # the last eager forward's, for commit
+        # what commit() runs after the last forward: the eager commit, a fixed-shape step's, or nothing
+        self.pending_commit: Callable[[list[int]], None] | None = None
 
-    def batch(self, seqs: list[ScheduledSeq]) -> StateBatch:
-        """The StateBatch of a step: each sequence's slot (taken, and zeroed when it starts from position 0);
-        sequences verifying drafts are deferred."""
+    def assign(self, seqs: list[ScheduledSeq]) -> list[int]:
+        """Each sequence's slot: taken at its first step, and zeroed whenever it is fed from position 0."""
         for seq in seqs:
             req = seq.request
             if req.state_slot is None:
                 req.state_slot = self.take()
             if req.num_computed == 0:
                 self.zero(req.state_slot)
-        self.last = StateBatch(self.conv, self.ssm, slots=[s.request.state_slot for s in seqs],
-                               defer=[s.num_drafts > 0 for s in seqs])
+        return [s.request.state_slot for s in seqs]
+
+    def batch(self, seqs: list[ScheduledSeq]) -> StateBatch:
+        """The StateBatch of an eager step (its slots assigned); sequences verifying drafts are deferred."""
+        self.last = StateBatch(self.conv, self.ssm, slots=self.assign(seqs), defer=[s.num_drafts > 0 for s in seqs])
+        self.pending_commit = self._commit_last
         return self.last
 
     def commit(self, kept: list[int]) -> None:
         """After a verify step: deferred sequence i keeps its first kept[i] fed tokens (its committed tokens and
         accepted drafts)."""
+        run, self.pending_commit = self.pending_commit, None
+        if run is not None:
+            run(kept)
+
+    def _commit_last(self, kept: list[int]) -> None:
         if self.last is not None and self.last.pending:
             commit(self.last, kept)
         self.last = None

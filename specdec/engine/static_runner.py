@@ -165,7 +165,8 @@ class StaticRunner:
                   for b in reversed(batches) for c in contexts]
         self.logits_rows_wanted = max([b * q for b, q, _ in shapes] + [self.logits_rows_wanted])
         for batch, q, context in shapes:
-            self._stage([], q, batch, context)  # padding rows only: scratch slots, no real sequence is touched
+            # padding rows only: scratch slots, no real sequence is touched
+            self._stage([], q, batch, context, extra=self._extra([], batch))
             self._forward(batch, q, context)
         self.shapes.update(shapes)
         self.q_ladder = sorted({q for _, q, _ in self.shapes})
@@ -187,7 +188,12 @@ class StaticRunner:
             trees.append(seq if seq.tree_parents is not None else None)
         if any(trees) and not self.tree_masks:
             raise RuntimeError("a draft tree reached a runner without tree masks: enable_tree_masks() first")
-        self._stage(rows, q, batch, context, trees=trees)
+        self._stage(rows, q, batch, context, extra=self._extra(seqs, batch), trees=trees)
+
+    def _extra(self, seqs: list[ScheduledSeq], batch: int) -> list[int]:
+        """Inputs a subclass stages after the step's own for these sequences (padded to batch; seqs may be
+        empty: a step of padding only)."""
+        return []
 
     def _stage(self, rows: list[tuple[list[int], int, list[int]]], q: int, batch: int, context: int,
                extra: list[int] = (), trees: list[ScheduledSeq | None] = ()) -> None:

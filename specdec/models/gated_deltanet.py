@@ -37,8 +37,8 @@ class SequenceGroup:
     rows: torch.Tensor  # [m, n] long: flat row of each one's j-th token
     slots: torch.Tensor  # [m] long: their state slots
     deferred: list[int]  # positions (in the group) of the deferred ones; empty: none
-    kept: torch.Tensor | None = None  # [m'] positions of the others (state written back), when some are deferred
-    deferred_index: torch.Tensor | None = None  # [m - m'] the deferred positions, when there are any
+    kept: torch.Tensor | None = None  # [m'] positions of the others (state written back), when only some are deferred
+    deferred_index: torch.Tensor | None = None  # [m - m'] the deferred positions, when only some are deferred
 
     @property
     def n(self) -> int:
@@ -52,8 +52,11 @@ class SequenceGroup:
 def plan_groups(batch: AttentionBatch) -> list[SequenceGroup]:
     """Group a step's sequences by how many tokens they feed.  Example: query counts (1, 5, 1), so flat rows
     0 | 1..5 | 6 -> a group n = 1 of sequences [0, 2] with rows [[0], [6]], and n = 5 of [1] with rows
-    [[1, 2, 3, 4, 5]].  Uses batch.host_lens (else reads query_start from the device: a sync)."""
+    [[1, 2, 3, 4, 5]].  Uses batch.host_lens (else reads query_start from the device: a sync); a padded step
+    (batch.uniform, slots on the device) is one group without any host read."""
     states = batch.states
+    if batch.uniform and isinstance(states.slots, torch.Tensor):
+        return [uniform_group(batch.max_query_len, states)]
     counts = batch.host_lens[0] if batch.host_lens is not None else \
         (batch.query_start[1:] - batch.query_start[:-1]).tolist()
     if len(states.slots) != len(counts) or len(states.defer) != len(counts):
@@ -70,11 +73,22 @@ def plan_groups(batch: AttentionBatch) -> list[SequenceGroup]:
         group = SequenceGroup(seqs=seqs, rows=upload([[starts[i] + j for j in range(n)] for i in seqs], device),
                               slots=upload([states.slots[i] for i in seqs], device),
                               deferred=[p for p, i in enumerate(seqs) if states.defer[i]])
-        if group.deferred:
+        if group.deferred and len(group.deferred) < len(seqs):
             group.kept = upload([p for p, i in enumerate(seqs) if not states.defer[i]], device)
             group.deferred_index = upload(group.deferred, device)
         groups.append(group)
     return groups
+
+
+def uniform_group(q: int, states: StateBatch) -> SequenceGroup:
+    """The one group of a padded step: B sequences of q rows each, in order (sequence b's rows b*q .. b*q+q-1),
+    slots [B] on the device; its sequences are all deferred or none (a graph holds one pattern)."""
+    num_seqs = states.slots.shape[0]
+    if len(states.defer) != num_seqs or len(set(states.defer)) > 1:
+        raise ValueError(f"a padded step defers all of its {num_seqs} sequences or none, got {states.defer}")
+    rows = torch.arange(num_seqs * q, device=states.slots.device).view(num_seqs, q)
+    return SequenceGroup(seqs=list(range(num_seqs)), rows=rows, slots=states.slots,
+                         deferred=list(range(num_seqs)) if any(states.defer) else [])
 
 
 class GatedRMSNorm(nn.Module):
@@ -164,12 +178,13 @@ class GatedDeltaNet(nn.Module):
             conv_pool[group.slots] = new_conv.to(conv_pool.dtype)
             ssm_pool[group.slots] = final
             return
-        if group.kept.numel():
+        d = group.deferred_index  # None: every sequence of the group is deferred
+        if d is not None:
             kept = group.kept
             conv_pool[group.slots[kept]] = new_conv[kept].to(conv_pool.dtype)
             ssm_pool[group.slots[kept]] = final[kept]
-        d = group.deferred_index
-        k, v, g, beta = (t[d] for t in kvgb)
-        states.pending.setdefault(self.state_index, []).append(Deferred(
-            seqs=[group.seqs[p] for p in group.deferred], slots=group.slots[d], window=window[d],
-            k=k, v=v, g=g, beta=beta))
+        fields = dict(slots=group.slots, window=window, k=kvgb[0], v=kvgb[1], g=kvgb[2], beta=kvgb[3])
+        kept_fields = {name: states.keep(self.state_index, name, t if d is None else t[d])
+                       for name, t in fields.items()}
+        states.pending.setdefault(self.state_index, []).append(
+            Deferred(seqs=[group.seqs[p] for p in group.deferred], **kept_fields))

@@ -10,6 +10,10 @@ step, whose drafts may be rejected) leaves its slot as it was: the forward recor
     states = StateBatch(conv, ssm, slots=[3, 8], defer=[True, False])
     logits = model(ids, positions, AttentionBatch(..., states=states), kv_caches)
     commit(states, counts=[2, 0])   # seq 0 keeps its first 2 fed tokens; seq 1 was advanced already
+
+A padded fixed-shape step (a CUDA graph, engine/static_hybrid.py) gives the slots as a device tensor, copies
+its records into a RecordArena (fixed memory the graph writes at every replay) and commits them with
+`commit_on_device`, whose counts never reach the host.
 """
 
 from __future__ import annotations
@@ -27,9 +31,33 @@ from specdec.transfer import upload
 class StateBatch:
     conv: list[torch.Tensor]  # per linear layer: [num_slots, conv_dim, kernel - 1] (model dtype), the pool
     ssm: list[torch.Tensor]  # per linear layer: [num_slots, Hv, Dk, Dv] float32, the pool
-    slots: list[int]  # per sequence of this step (host ints): its slot in the pools
+    slots: list[int] | torch.Tensor  # per sequence of this step: its slot in the pools (host ints, or [B] long
+    # on the device for a padded step, whose sequences then all feed the same number of rows)
     defer: list[bool]  # per sequence: True = compute from the slot's state but do not write it back
     pending: dict = dataclasses.field(default_factory=dict)  # linear layer index -> [Deferred], by the forward
+    arena: RecordArena | None = None  # where a padded step's records are kept (None: their own tensors)
+
+    def keep(self, layer: int, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """tensor as a deferred record of `layer` holds it: itself, or its copy in the arena."""
+        return tensor if self.arena is None else self.arena.keep((layer, name), tensor)
+
+
+class RecordArena:
+    """One flat buffer per (linear layer, record field) that the deferred records of padded steps are copied
+    into, so that every captured CUDA graph writes its records to the same memory (as the runner's logits
+    buffer): a graph's records are views valid until the next step.  A buffer grows when a larger shape first
+    runs; graphs captured before keep the old one."""
+
+    def __init__(self):
+        self.buffers: dict[tuple[int, str], torch.Tensor] = {}
+
+    def keep(self, key: tuple[int, str], tensor: torch.Tensor) -> torch.Tensor:
+        buffer = self.buffers.get(key)
+        if buffer is None or buffer.numel() < tensor.numel() or buffer.dtype != tensor.dtype:
+            buffer = self.buffers[key] = torch.empty(tensor.numel(), dtype=tensor.dtype, device=tensor.device)
+        view = buffer[:tensor.numel()].view(tensor.shape)
+        view.copy_(tensor)
+        return view
 
 
 @dataclasses.dataclass
@@ -79,6 +107,19 @@ def commit(states: StateBatch, counts: list[int]) -> None:
                 uploaded[key] = upload(mine, record.slots.device)
             _commit_record(states.conv[layer], states.ssm[layer], record, uploaded[key], max(mine))
     states.pending.clear()
+
+
+def commit_on_device(states: StateBatch, counts: torch.Tensor) -> None:
+    """commit for a padded step whose sequences were all deferred, counts [B] long already on the device (the
+    padding sequences' 0): no host read and no branch on the counts, so a CUDA graph can hold it.  Every record
+    replays all its fed tokens, masked past each count.  Leaves states.pending as it is (a graph's records
+    are rewritten at each replay)."""
+    for layer, records in states.pending.items():
+        for record in records:
+            if record.seqs != list(range(len(record.seqs))) or len(record.seqs) != counts.shape[0]:
+                raise ValueError(f"commit_on_device needs records of all {counts.shape[0]} sequences in order, "
+                                 f"got sequences {record.seqs}")
+            _commit_record(states.conv[layer], states.ssm[layer], record, counts, record.fed)
 
 
 def _commit_record(conv: torch.Tensor, ssm: torch.Tensor, record: Deferred, counts: torch.Tensor,
