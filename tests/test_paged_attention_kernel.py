@@ -11,40 +11,21 @@ runs head_dim 128.
 from __future__ import annotations
 
 import importlib.util
-import os
-import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from specdec.models import attention
 from specdec.models.attention import AttentionBatch
+from tests.interpreter import child_only, kernel_module, parent_only, run_child
 
-CHILD = os.environ.get("TRITON_INTERPRET") == "1"
-HAS_TRITON = importlib.util.find_spec("triton") is not None
-NO_TRITON = "triton is not installed (it comes with the test extra: pip install -e .[test])"
-child_only = pytest.mark.skipif(not CHILD, reason="runs in the interpreter's child process (see the module doc)")
-
-if CHILD:
-    kernel = pytest.importorskip("specdec.kernels.paged_attention", reason=NO_TRITON)
-    assert kernel.INTERPRETED
+kernel = kernel_module("specdec.kernels.paged_attention")  # None outside the child
 
 
-@pytest.mark.skipif(CHILD, reason="this is the child")
-@pytest.mark.skipif(not HAS_TRITON, reason=NO_TRITON)
+@parent_only
 def test_kernel_cases_under_the_interpreter():
     """This file's kernel cases, in a child process started with TRITON_INTERPRET=1."""
-    repo = Path(__file__).resolve().parents[1]
-    child = subprocess.run([sys.executable, "-m", "pytest", __file__, "-p", "no:cacheprovider", "-rs"], cwd=repo,
-                           env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True, timeout=600)
-    report = child.stdout[-8000:] + child.stderr[-2000:]
-    assert child.returncode == 0, report
-    passed, skipped = (re.search(rf"(\d+) {word}", child.stdout) for word in ("passed", "skipped"))
-    assert passed and int(passed.group(1)) >= 10, report
-    assert skipped is None or int(skipped.group(1)) == 1, report  # only this test, skipped in the child
+    run_child(__file__, min_passed=10)
 
 
 def make_case(query_lens, context_lens, block_size, kv_heads=2, group=2, head_dim=32, dtype=torch.float32,

@@ -1,0 +1,140 @@
+"""The recurrent (token by token) gated delta rule of a Gated DeltaNet layer in Triton: one launch per layer
+and step, the float32 state read once and written once (specdec/models/delta_rule.py has the math; its
+`recurrent` takes ~6 PyTorch ops per token, each reading and writing the whole state).
+
+Inputs are the layer's (specdec/models/gated_deltanet.py, `_attend_group`) before the key heads are repeated:
+q, k [B, T, Hk, Dk] (l2-normalised, q also scaled by Dk^-0.5), v [B, T, H, Dv], g, beta [B, T, H], the states
+[B, H, Dk, Dv]; H = R * Hk, value head h reading key head h // R (as q.repeat_interleave(R, dim=2) lays them).
+
+One program owns one (sequence, value head, block of BLOCK_V state columns): its [Dk, BLOCK_V] slice of the
+state stays in registers across the T tokens, and each token does, with k, q the key head's [Dk] vectors and
+v the value head's [BLOCK_V] slice:
+
+    S <- exp(g) * S;   delta = beta * (v - S^T k);   S <- S + k delta^T;   o = S^T q
+
+Columns of S never mix (every step is per column or a sum over rows), so the column blocks are independent
+programs.  Example, Qwen3.5-27B (Hk 16, H 48, so R 3; Dk = Dv = 128; BLOCK_V 32): the grid is (B, 48, 4);
+program (5, 7, 2) owns state[5, 7, :, 64:96] and reads key head 7 // 3 = 2 (value heads 6, 7, 8 share it),
+v[5, t, 7, 64:96], g[5, t, 7] and beta[5, t, 7], and writes out[5, t, 7, 64:96].  Dk and Dv need not be powers
+of two: the tile is padded to powers of two and masked (padded rows hold k = q = 0 and stay 0).
+
+With counts [B], sequence b applies only its first counts[b] tokens to the state: the loads of k, v, g and
+beta of a later token are masked off, which makes it a no-op (decay exp(0) = 1, k = 0, beta = 0; its values
+are never read, so padding may hold anything).  The outputs of such tokens are those of the held state.  The
+grid depends only on the shapes (a CUDA graph replays it), T is a compile-time constant (one compilation per
+token count) and nothing waits on the device.
+
+`fused_recurrent` is the entry point; `supports` says whether a call can run here.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+MAX_TOKENS = 64  # tokens per call (decode and verify steps; prefill takes the chunked form)
+MAX_HEAD_DIM = 256  # Dk and Dv
+BLOCK_V = 32  # state columns per program: 128 B of each state row, a [128, 32] tile (32 registers a thread)
+
+
+@triton.jit
+def _token(S, t, seq, head, key_head, count, rows, row_ok, cols, col_ok, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr,
+           out_ptr, T: tl.constexpr, HK: tl.constexpr, H: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+           WRITE_OUT: tl.constexpr):
+    """Token t of the program's sequence applied to S [DK_PAD, BLOCK_V] (a no-op past `count`); its output
+    columns written.  Returns the new S."""
+    active = t < count
+    key_row = (seq * T + t) * HK + key_head  # row of q / k [B * T * Hk, DK]
+    value_row = (seq * T + t) * H + head  # row of v / out [B * T * H, DV], element of g / beta [B * T * H]
+    k = tl.load(k_ptr + key_row * DK + rows, mask=row_ok & active, other=0.0)  # [DK_PAD]
+    v = tl.load(v_ptr + value_row * DV + cols, mask=col_ok & active, other=0.0)  # [BLOCK_V]
+    g = tl.load(g_ptr + value_row, mask=active, other=0.0)
+    beta = tl.load(beta_ptr + value_row, mask=active, other=0.0)
+    S = S * tl.exp(g)
+    delta = (v - tl.sum(S * k[:, None], 0)) * beta  # [BLOCK_V]: beta * (v - S^T k)
+    S = S + k[:, None] * delta[None, :]
+    if WRITE_OUT:
+        q = tl.load(q_ptr + key_row * DK + rows, mask=row_ok, other=0.0)  # [DK_PAD]
+        tl.store(out_ptr + value_row * DV + cols, tl.sum(S * q[:, None], 0), mask=col_ok)
+    return S
+
+
+@triton.jit
+def _recurrent_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, counts_ptr, out_ptr, final_ptr,
+                      T: tl.constexpr, HK: tl.constexpr, H: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+                      DK_PAD: tl.constexpr, BLOCK_V: tl.constexpr, HAS_COUNTS: tl.constexpr,
+                      WRITE_OUT: tl.constexpr):
+    """One program per (sequence, value head, block of BLOCK_V columns); every tensor contiguous."""
+    seq = tl.program_id(0).to(tl.int64)  # int64: B * H * Dk * Dv may pass 2^31
+    head = tl.program_id(1)
+    key_head = head // (H // HK)
+    rows = tl.arange(0, DK_PAD)
+    row_ok = rows < DK
+    cols = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
+    col_ok = cols < DV
+    tile = (seq * H + head) * DK * DV + rows[:, None] * DV + cols[None, :]  # [DK_PAD, BLOCK_V] offsets
+    tile_ok = row_ok[:, None] & col_ok[None, :]
+    S = tl.load(state_ptr + tile, mask=tile_ok, other=0.0)
+    count = tl.load(counts_ptr + seq) if HAS_COUNTS else T
+    for t in range(T):
+        S = _token(S, t, seq, head, key_head, count, rows, row_ok, cols, col_ok, q_ptr, k_ptr, v_ptr, g_ptr,
+                   beta_ptr, out_ptr, T, HK, H, DK, DV, WRITE_OUT)
+    tl.store(final_ptr + tile, S, mask=tile_ok)
+
+
+INTERPRETED = not isinstance(_recurrent_kernel, triton.runtime.JITFunction)  # decorated under TRITON_INTERPRET=1
+
+
+def fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+         state: torch.Tensor, counts: torch.Tensor | None = None) -> bool:
+    """Whether the shapes are the kernel's: q, k [B, T, Hk, Dk], v [B, T, H, Dv], g, beta [B, T, H],
+    state [B, H, Dk, Dv], counts [B], with H a multiple of Hk, 1 <= T <= MAX_TOKENS, Dk, Dv <= MAX_HEAD_DIM."""
+    if q.dim() != 4 or v.dim() != 4:
+        return False
+    batch, tokens, key_heads, dk = q.shape
+    heads, dv = v.shape[2], v.shape[3]
+    return (k.shape == q.shape and v.shape[:2] == (batch, tokens) and g.shape == beta.shape == (batch, tokens, heads)
+            and state.shape == (batch, heads, dk, dv) and (counts is None or counts.shape == (batch,))
+            and heads % key_heads == 0 and 1 <= tokens <= MAX_TOKENS and dk <= MAX_HEAD_DIM and dv <= MAX_HEAD_DIM)
+
+
+def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+             state: torch.Tensor, counts: torch.Tensor | None = None) -> bool:
+    """Whether `fused_recurrent` handles this call: CUDA tensors, float32 (counts integer), shapes that `fits`.
+    The caller falls back to specdec.models.delta_rule otherwise."""
+    floats = (q, k, v, g, beta, state)
+    on_gpu = all(t.is_cuda for t in floats) and (counts is None or counts.is_cuda)
+    return (on_gpu and all(t.dtype == torch.float32 for t in floats)
+            and (counts is None or not counts.is_floating_point()) and fits(q, k, v, g, beta, state, counts))
+
+
+def launch_config(dk: int, dv: int, block_v: int | None = None) -> tuple[int, int, int]:
+    """(DK_PAD, BLOCK_V, num_warps): the tile [DK_PAD, BLOCK_V] at about 32 state registers a thread.
+    Example: Dk = Dv = 128 -> (128, 32, 4); Dk 256 -> (256, 32, 8); Dk = Dv = 24 -> (32, 32, 1)."""
+    dk_pad = max(16, triton.next_power_of_2(dk))
+    block_v = min(block_v or BLOCK_V, max(16, triton.next_power_of_2(dv)))
+    return dk_pad, block_v, max(1, min(8, dk_pad * block_v // 1024))
+
+
+def fused_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                    state: torch.Tensor, counts: torch.Tensor | None = None, write_outputs: bool = True,
+                    block_v: int | None = None, num_warps: int | None = None
+                    ) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """q, k [B, T, Hk, Dk]; v [B, T, H, Dv]; g, beta [B, T, H]; state [B, H, Dk, Dv] (all float32, left
+    unchanged) -> (out [B, T, H, Dv] or None without write_outputs, final state [B, H, Dk, Dv]).
+
+    Equals delta_rule.recurrent(q.repeat_interleave(R, 2), k.repeat_interleave(R, 2), v, g, beta, state),
+    R = H // Hk.  counts [B] (integer, on the device): the final state is delta_rule.advance's, sequence b
+    taking only its first counts[b] tokens.  block_v / num_warps override launch_config (benchmarks)."""
+    batch, tokens, key_heads, dk = q.shape
+    heads, dv = v.shape[2], v.shape[3]
+    dk_pad, block_v, warps = launch_config(dk, dv, block_v)
+    q, k, v, g, beta, state = (t.contiguous() for t in (q, k, v, g, beta, state))
+    out = v.new_empty(v.shape) if write_outputs else None
+    final = torch.empty_like(state)
+    _recurrent_kernel[(batch, heads, triton.cdiv(dv, block_v))](
+        q, k, v, g, beta, state, state if counts is None else counts, v if out is None else out, final,
+        T=tokens, HK=key_heads, H=heads, DK=dk, DV=dv, DK_PAD=dk_pad, BLOCK_V=block_v,
+        HAS_COUNTS=counts is not None, WRITE_OUT=write_outputs, num_warps=num_warps or warps)
+    return out, final
