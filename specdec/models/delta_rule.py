@@ -45,6 +45,36 @@ def recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor
     return out, state
 
 
+def recurrent_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                    state: torch.Tensor, counts: torch.Tensor | None = None, steps: int | None = None
+                    ) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """`recurrent` with q, k per key head ([B, T, Hk, Dk]; value head h reads key head h // (H / Hk)): on a GPU
+    one Triton launch (specdec/kernels/delta_rule.py), else the PyTorch form over repeated heads.  With counts
+    [B] (and steps = max(counts) on the host, or T) it is `advance` instead: (None, the state)."""
+    kernel = _fused_kernel() if state.is_cuda else None
+    if kernel is not None and kernel.supports(q, k, v, g, beta, state, counts):
+        return kernel.fused_recurrent(q, k, v, g, beta, state, counts, write_outputs=counts is None)
+    repeat = v.shape[2] // k.shape[2]
+    k = k.repeat_interleave(repeat, dim=2)
+    if counts is not None:
+        return None, advance(state, k, v, g, beta, counts, v.shape[1] if steps is None else steps)
+    return recurrent(q.repeat_interleave(repeat, dim=2), k, v, g, beta, state)
+
+
+_kernel_module = None  # specdec.kernels.delta_rule once imported; False where triton is missing
+
+
+def _fused_kernel():
+    global _kernel_module
+    if _kernel_module is None:
+        try:
+            from specdec.kernels import delta_rule as module
+        except ImportError:
+            module = False
+        _kernel_module = module
+    return _kernel_module or None
+
+
 def advance(state: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
             counts: torch.Tensor, steps: int) -> torch.Tensor:
     """The state of each sequence b after only its first counts[b] tokens (0 <= counts[b] <= T): the

@@ -21,7 +21,7 @@ from torch import nn
 
 from specdec.models.attention import AttentionBatch
 from specdec.models.config import ModelConfig
-from specdec.models.delta_rule import causal_conv, chunked, l2_normalize, recurrent
+from specdec.models.delta_rule import causal_conv, chunked, l2_normalize, recurrent_heads
 from specdec.models.fused_linear import FusedProjection, fuse
 from specdec.models.recurrent_state import Deferred, StateBatch
 from specdec.transfer import upload
@@ -156,15 +156,17 @@ class GatedDeltaNet(nn.Module):
         conv_pool, ssm_pool = states.conv[self.state_index], states.ssm[self.state_index]
         conved, window = causal_conv(mixed[rows], conv_pool[group.slots], self.conv1d.weight)  # [m, n, C]
         q, k, v = conved.split([self.key_width, self.key_width, self.value_width], dim=-1)
-        repeat = self.num_v_heads // self.num_k_heads  # value heads per key head
         q = l2_normalize(q.reshape(m, n, self.num_k_heads, self.k_dim).float()) * self.k_dim**-0.5
         k = l2_normalize(k.reshape(m, n, self.num_k_heads, self.k_dim).float())  # [m, n, Hk, Dk]
         v = v.reshape(m, n, self.num_v_heads, self.v_dim)  # [m, n, Hv, Dv], x's dtype
         beta = b[rows].sigmoid().float()  # [m, n, Hv]
         g = -self.A_log.float().exp() * F.softplus(a[rows].float() + self.dt_bias)  # [m, n, Hv], <= 0
-        form = recurrent if group.recurrent else chunked
-        out, final = form(q.repeat_interleave(repeat, dim=2), k.repeat_interleave(repeat, dim=2), v.float(), g,
-                          beta, ssm_pool[group.slots])
+        if group.recurrent:
+            out, final = recurrent_heads(q, k, v.float(), g, beta, ssm_pool[group.slots])
+        else:
+            repeat = self.num_v_heads // self.num_k_heads  # value heads per key head
+            out, final = chunked(q.repeat_interleave(repeat, dim=2), k.repeat_interleave(repeat, dim=2), v.float(),
+                                 g, beta, ssm_pool[group.slots])
         self._store(group, states, window, final, (k, v, g, beta))
         return out.to(mixed.dtype)
 

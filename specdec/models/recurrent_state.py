@@ -23,7 +23,7 @@ import dataclasses
 import torch
 
 from specdec.models.config import ModelConfig
-from specdec.models.delta_rule import advance, conv_state_after
+from specdec.models.delta_rule import conv_state_after, recurrent_heads
 from specdec.transfer import upload
 
 
@@ -76,11 +76,6 @@ class Deferred:
     def fed(self) -> int:
         return int(self.v.shape[1])
 
-    def per_value_head(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """k [m, n, Hv, Dk] (each key head serving Hv / Hk consecutive value heads) and v [m, n, Hv, Dv] in
-        float32, as the forward's delta rule read them."""
-        return self.k.repeat_interleave(self.v.shape[2] // self.k.shape[2], dim=2), self.v.float()
-
 
 def commit(states: StateBatch, counts: list[int]) -> None:
     """Advance each deferred sequence i's slot by exactly the first counts[i] tokens it fed in the forward
@@ -126,8 +121,8 @@ def _commit_record(conv: torch.Tensor, ssm: torch.Tensor, record: Deferred, coun
                    steps: int) -> None:
     """Advance record's slots by counts [m] (device) of their fed tokens; steps = max(counts) on the host."""
     slots = record.slots
-    k, v = record.per_value_head()
-    ssm[slots] = advance(ssm[slots], k, v, record.g, record.beta, counts, steps)
+    ssm[slots] = recurrent_heads(record.k, record.k, record.v.float(), record.g, record.beta, ssm[slots], counts,
+                                 steps)[1]  # (the queries are unused: no outputs)
     conv[slots] = conv_state_after(record.window, counts, conv.shape[-1]).to(conv.dtype)
 
 
