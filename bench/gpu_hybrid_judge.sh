@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # One GPU call for the Qwen3.5-27B twin with its MTP head (issue 22): ref-hybrid as the qwen3.5-27b twin
-# (eager: hybrids run no CUDA graphs yet), (1) the judge, stock against MTP k = 1, in the judge's alternate
+# (decode and verify steps replay CUDA graphs), (1) the judge, stock against MTP k = 1, in the judge's alternate
 # layout (one ~55 GB engine up at a time: two do not fit one 80 GB card); (2) bench/spec_steps.py at batch 1:
-# plain and MTP step times, tokens per step and engine memory.  Each stage has its own limit.
+# plain and MTP step times, tokens per step and engine memory; (3) the Triton delta-rule kernel against the
+# PyTorch recurrent form at the 27B layer's shape (bench/delta_rule_kernel.py).  Each stage has its own limit.
 # Usage on the device:  SPECDEC_COMMIT=<sha> bash bench/gpu_hybrid_judge.sh "$OUT"   (.whl carried)
 OUT=${1:-/tmp/out}; mkdir -p "$OUT"
 [ -d .whl ] && { python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1; }
@@ -25,5 +26,7 @@ for f in "$OUT/judge-twin27b-mtp"/*.log; do tail -c 300000 "$f" > "$f.tail"; rm 
 [ "${STEPS:-1}" = 1 ] && stage specsteps ${STEPS_STAGE_S:-170} python3 bench/spec_steps.py --target ref-hybrid \
   --target-twin "$TWIN" --configs ${STEPS_CONFIGS:-plain,mtp-k1,mtp-k2} --prompts ${STEPS_PROMPTS:-3} --tokens 48 \
   --out "$OUT/spec-steps-twin27b-mtp.json"
+[ "${KERNEL:-1}" = 1 ] && stage kernel ${KERNEL_STAGE_S:-60} python3 bench/delta_rule_kernel.py \
+  --out "$OUT/delta-rule-kernel.json"
 nvidia-smi --query-gpu=memory.used,memory.total --format=csv
 ls -la "$OUT"
