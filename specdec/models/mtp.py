@@ -47,6 +47,11 @@ class MTPConfig:
         layer = dataclasses.replace(target, num_hidden_layers=1, layer_types=(FULL_ATTENTION,))
         return cls(layer=layer, target_layers=target.num_hidden_layers)
 
+    @property
+    def draft_vocab_size(self) -> int:
+        """The head drafts over the target's whole vocabulary (as Eagle3Config's reduced one reads)."""
+        return self.layer.vocab_size
+
 
 class MTPHead(nn.Module):
     """forward(ids [T], positions [T], states [T, H], batch, kv_cache) -> the head's states after mtp.norm [T, H];

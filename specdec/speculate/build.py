@@ -166,12 +166,15 @@ def _eagle3_speculator(config: SpecConfig, llm):
     else:
         head = load_eagle3_head(head_dir, llm.model, llm.device, dtype)
     layers = feature_layers(head.config, llm.model.config.num_hidden_layers)
-    engine = llm.engine
-    return Eagle3Speculator(head, engine.blocks, llm.model.config.vocab_size, layers,
-                            static_shapes=engine.runner.static is not None,
-                            max_batch=min(engine.config.max_num_seqs, engine.config.max_graph_batch),
-                            max_context=engine.graph_context_bound, cuda_graphs=engine.config.cuda_graphs,
-                            tree_width=config.tree_width)
+    return Eagle3Speculator(head, llm.engine.blocks, llm.model.config.vocab_size, layers,
+                            tree_width=config.tree_width, **_head_graph_options(llm.engine))
+
+
+def _head_graph_options(engine) -> dict:
+    """A head's fixed-shape forwards (CUDA graphs on a GPU) follow the target's."""
+    return dict(static_shapes=engine.runner.static is not None,
+                max_batch=min(engine.config.max_num_seqs, engine.config.max_graph_batch),
+                max_context=engine.graph_context_bound, cuda_graphs=engine.config.cuda_graphs)
 
 
 def _mtp_speculator(llm):
@@ -187,7 +190,7 @@ def _mtp_speculator(llm):
         head = make_mtp_twin(small, llm.model)
     else:
         head = load_mtp_head(llm.model_dir, llm.model, llm.device, dtype)
-    return MTPSpeculator(head, llm.engine.blocks)
+    return MTPSpeculator(head, llm.engine.blocks, **_head_graph_options(llm.engine))
 
 
 def check_same_tokenizer(target_dir: Path, draft_dir: Path) -> None:
