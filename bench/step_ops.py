@@ -34,8 +34,8 @@ def top_level_ops(prof) -> collections.Counter:
                                and (e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::")))
 
 
-def ops_per_step(model: str, speculator: SpecConfig | None, steps: int) -> dict:
-    llm = LLM(model, device="cpu", speculator=speculator, cuda_graphs=False)
+def ops_per_step(model: str, speculator: SpecConfig | None, steps: int, static_shapes: bool = False) -> dict:
+    llm = LLM(model, device="cpu", speculator=speculator, cuda_graphs=False, static_shapes=static_shapes)
     engine = llm.engine
     engine.add_request(llm.encode("import os\nimport sys\n"),
                        SamplingParams(max_tokens=8 * steps, temperature=0, ignore_eos=True))
@@ -57,17 +57,21 @@ def main(argv=None) -> int:
     parser.add_argument("--speculator", default="mtp", help="a speculator beside plain decoding ('' for none)")
     parser.add_argument("--num-draft-tokens", type=int, default=1)
     parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--static-shapes", action="store_true",
+                        help="the padded fixed-shape steps: the operators a CUDA graph of the step holds (on a GPU "
+                             "the host replays it instead of dispatching them)")
     parser.add_argument("--out", default="bench/results/step-ops-ref-hybrid-cpu.json")
     args = parser.parse_args(argv)
     import torch
 
-    record = {"environment": environment(torch.device("cpu")), "model": args.model, "rows": {}}
+    record = {"environment": environment(torch.device("cpu")), "model": args.model,
+              "static_shapes": args.static_shapes, "rows": {}}
     configs = {"plain": None}
     if args.speculator:
         configs[f"{args.speculator}-k{args.num_draft_tokens}"] = SpecConfig(
             args.speculator, num_draft_tokens=args.num_draft_tokens, adaptive=False)
     for name, config in configs.items():
-        record["rows"][name] = ops_per_step(args.model, config, args.steps)
+        record["rows"][name] = ops_per_step(args.model, config, args.steps, args.static_shapes)
         print(name, record["rows"][name], flush=True)
     write_json(args.out, record)
     return 0
