@@ -340,3 +340,36 @@ def test_random_model_for_a_hybrid_config():
     assert la.A_log.exp().min() >= 0.01 and la.A_log.exp().max() <= 16
     logits = Pools(model).feed(0, list(range(2, 30)), [20, 1])
     assert logits.shape == (28, 300) and torch.isfinite(logits).all() and logits.std() > 0
+
+
+def test_hybrid_model_runs_its_norms_and_gates_through_the_swappable_kernels():
+    """Every norm and gate of the hybrid model goes through fused.Kernels (what enable_fused_kernels swaps for
+    compiled pieces on a GPU); compiled pieces (the eager backend here) give the plain ones' logits."""
+    from specdec.models import fused
+
+    layer_types = PATTERNS["two-full"][0]
+    config = ModelConfig.from_dict(dict(TEXT, architectures=["Qwen3_5ForCausalLM"], layer_types=layer_types))
+    model = random_model(config, "cpu", torch.float32, std=0.1)
+    tokens = list(range(2, 30))
+    plain = Pools(model).feed(0, tokens, [20, 1])
+    calls = {name: 0 for name in fused.PLAIN}
+
+    def counted(name):
+        compiled = fused.compile_elementwise(fused.PLAIN[name], backend="eager")
+
+        def call(*args):
+            calls[name] += 1
+            return compiled(*args)
+        return staticmethod(call)
+
+    saved = {name: fused.Kernels.__dict__[name] for name in fused.PLAIN}
+    try:
+        for name in fused.PLAIN:
+            setattr(fused.Kernels, name, counted(name))
+        swapped = Pools(model).feed(0, tokens, [20, 1])
+    finally:
+        for name, fn in saved.items():
+            setattr(fused.Kernels, name, fn)
+    assert torch.equal(swapped, plain)
+    for name in ("zero_centred_rms_norm", "add_zero_centred_rms_norm", "gated_rms_norm", "delta_rule_gates", "rotate"):
+        assert calls[name] > 0, name

@@ -1,5 +1,6 @@
 """Elementwise pieces of the decoder that a GPU wants fused: RMSNorm (with the residual add), rotary
-embedding, SiLU-and-multiply.
+embedding, SiLU-and-multiply; for Qwen3.5 also the zero-centred and the gated RMSNorm and the per-token
+gates of the gated delta rule.
 
 Each is plain PyTorch here; `enable_fused_kernels()` swaps in `torch.compile`d versions (Triton kernels
 that do each in one pass) on a GPU, where a decode step is otherwise thousands of tiny kernels.  The
@@ -13,12 +14,18 @@ import contextlib
 import torch
 import torch.nn.functional as F
 
+from specdec.models.delta_rule import l2_normalize
+
+
+def _normalized(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [..., D] / rms(x) over the last dim, in float32."""
+    x32 = x.float()
+    return x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """weight * x / rms(x), in float32 and cast back before the weight (as transformers does)."""
-    x32 = x.float()
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x32.to(x.dtype)
+    """weight [D] * x [..., D] / rms(x), in float32 and cast back before the weight (as transformers does)."""
+    return weight * _normalized(x, eps).to(x.dtype)
 
 
 def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float):
@@ -44,8 +51,38 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def zero_centred_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [..., D] / rms(x) * (1 + weight [D]), all in float32 and cast back (Qwen3.5's norms, whose weight
+    starts at zero)."""
+    return (_normalized(x, eps) * (1.0 + weight.float())).to(x.dtype)
+
+
+def add_zero_centred_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float):
+    """(x + delta, zero_centred_rms_norm(x + delta)): the residual add and the next norm in one pass."""
+    x = x + delta
+    return x, zero_centred_rms_norm(x, weight, eps)
+
+
+def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """rms_norm(x [..., D]) * silu(z [..., D]), the gate in float32, cast back to x's dtype (the output norm
+    of a Gated DeltaNet layer, per value head)."""
+    return (rms_norm(x, weight, eps) * F.silu(z.float())).to(x.dtype)
+
+
+def delta_rule_gates(q: torch.Tensor, k: torch.Tensor, b: torch.Tensor, a: torch.Tensor, A_log: torch.Tensor,
+                     dt_bias: torch.Tensor, scale: float):
+    """The gated delta rule's per-token inputs, in float32: q, k [..., Hk, Dk] l2-normalised (q also times
+    scale, Dk^-0.5); from b, a [..., Hv] the write strength beta = sigmoid(b) and the log decay
+    g = -exp(A_log) * softplus(a + dt_bias) <= 0 (A_log, dt_bias [Hv]).  Returns (q, k, beta, g)."""
+    beta = b.sigmoid().float()
+    g = -A_log.float().exp() * F.softplus(a.float() + dt_bias)
+    return l2_normalize(q.float()) * scale, l2_normalize(k.float()), beta, g
+
+
 PLAIN = {"rms_norm": rms_norm, "add_rms_norm": add_rms_norm, "rotate": rotate, "rms_norm_rotate": rms_norm_rotate,
-         "silu_mul": silu_mul}
+         "silu_mul": silu_mul, "zero_centred_rms_norm": zero_centred_rms_norm,
+         "add_zero_centred_rms_norm": add_zero_centred_rms_norm, "gated_rms_norm": gated_rms_norm,
+         "delta_rule_gates": delta_rule_gates}
 
 
 class Kernels:
@@ -56,6 +93,10 @@ class Kernels:
     rotate = staticmethod(rotate)
     rms_norm_rotate = staticmethod(rms_norm_rotate)
     silu_mul = staticmethod(silu_mul)
+    zero_centred_rms_norm = staticmethod(zero_centred_rms_norm)
+    add_zero_centred_rms_norm = staticmethod(add_zero_centred_rms_norm)
+    gated_rms_norm = staticmethod(gated_rms_norm)
+    delta_rule_gates = staticmethod(delta_rule_gates)
     fused = False
 
 
@@ -113,7 +154,8 @@ def enable_fused_kernels() -> bool:
 
 
 def _try_compiled(compiled: dict) -> None:
-    """Run every compiled piece once on small CUDA tensors (bf16, 3 rows of 2 heads x 64)."""
+    """Run every compiled piece once on small CUDA tensors (bf16, 3 rows of 2 heads x 64; the delta rule's
+    gates as one sequence of 3 tokens)."""
     x = torch.randn(3, 2, 64, device="cuda", dtype=torch.bfloat16)
     w = torch.ones(64, device="cuda", dtype=torch.bfloat16)
     cos = sin = torch.ones(3, 1, 64, device="cuda", dtype=torch.bfloat16)
@@ -122,3 +164,8 @@ def _try_compiled(compiled: dict) -> None:
     compiled["rotate"](x, cos, sin)
     compiled["rms_norm_rotate"](x, w, 1e-6, cos, sin)
     compiled["silu_mul"](x, x)
+    compiled["zero_centred_rms_norm"](x, w, 1e-6)
+    compiled["add_zero_centred_rms_norm"](x, x, w, 1e-6)
+    compiled["gated_rms_norm"](x, x, w, 1e-6)
+    heads, gates = x.unsqueeze(0), x[..., 0].unsqueeze(0)  # [1, 3, 2, 64], [1, 3, 2]
+    compiled["delta_rule_gates"](heads, heads, gates, gates, w[:2], w[:2], 64**-0.5)

@@ -16,12 +16,12 @@ import dataclasses
 import itertools
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from specdec.models.attention import AttentionBatch
 from specdec.models.config import ModelConfig
-from specdec.models.delta_rule import causal_conv, chunked, l2_normalize, recurrent_heads
+from specdec.models.delta_rule import causal_conv, chunked, recurrent_heads
+from specdec.models.fused import Kernels
 from specdec.models.fused_linear import FusedProjection, fuse
 from specdec.models.recurrent_state import Deferred, StateBatch
 from specdec.transfer import upload
@@ -101,9 +101,8 @@ class GatedRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (self.weight * x32.to(x.dtype) * F.silu(z.float())).to(x.dtype)
+        """x, z [T, Hv, Dv] -> [T, Hv, Dv], x's dtype."""
+        return Kernels.gated_rms_norm(x, z, self.weight, self.eps)
 
 
 class GatedDeltaNet(nn.Module):
@@ -156,11 +155,10 @@ class GatedDeltaNet(nn.Module):
         conv_pool, ssm_pool = states.conv[self.state_index], states.ssm[self.state_index]
         conved, window = causal_conv(mixed[rows], conv_pool[group.slots], self.conv1d.weight)  # [m, n, C]
         q, k, v = conved.split([self.key_width, self.key_width, self.value_width], dim=-1)
-        q = l2_normalize(q.reshape(m, n, self.num_k_heads, self.k_dim).float()) * self.k_dim**-0.5
-        k = l2_normalize(k.reshape(m, n, self.num_k_heads, self.k_dim).float())  # [m, n, Hk, Dk]
+        q, k = (t.reshape(m, n, self.num_k_heads, self.k_dim) for t in (q, k))
+        q, k, beta, g = Kernels.delta_rule_gates(q, k, b[rows], a[rows], self.A_log, self.dt_bias,
+                                                 self.k_dim**-0.5)  # float32 [m, n, Hk, Dk] x 2, [m, n, Hv] x 2
         v = v.reshape(m, n, self.num_v_heads, self.v_dim)  # [m, n, Hv, Dv], x's dtype
-        beta = b[rows].sigmoid().float()  # [m, n, Hv]
-        g = -self.A_log.float().exp() * F.softplus(a[rows].float() + self.dt_bias)  # [m, n, Hv], <= 0
         if group.recurrent:
             out, final = recurrent_heads(q, k, v.float(), g, beta, ssm_pool[group.slots])
         else:

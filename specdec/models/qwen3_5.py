@@ -36,14 +36,12 @@ class ZeroCentredRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (x32 * (1.0 + self.weight.float())).to(x.dtype)
+        """x [..., dim] -> normalised, x's dtype."""
+        return Kernels.zero_centred_rms_norm(x, self.weight, self.eps)
 
     def add_forward(self, x: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(x + delta, norm(x + delta))."""
-        x = x + delta
-        return x, self(x)
+        return Kernels.add_zero_centred_rms_norm(x, delta, self.weight, self.eps)
 
 
 class PartialRotary(nn.Module):
