@@ -3,9 +3,10 @@
 A layer projects all T rows of the step at once, then runs its recurrence per group of sequences that
 feed the same number of tokens (`plan_groups`, built once per step and shared by every linear layer):
 each group's states are read from the pools in one gather, advanced together, and written back in one
-scatter (deferred sequences excepted: see specdec/models/recurrent_state.py).  Groups of at most
-RECURRENT_MAX_TOKENS tokens per sequence (decode, verify) take the token-by-token form, longer ones
-(prefill) the chunked form (specdec/models/delta_rule.py).
+scatter (deferred sequences excepted: see specdec/models/recurrent_state.py).  A padded fixed-shape step
+(engine/static_hybrid.py) is one group, built without reading anything back from the device.  Groups of at
+most RECURRENT_MAX_TOKENS tokens per sequence (decode, verify) take the token-by-token form (one Triton launch
+on a GPU), longer ones (prefill) the chunked form (specdec/models/delta_rule.py).
 
 Module names follow the Hugging Face checkpoint (model.layers.N.linear_attn.in_proj_qkv ...).
 """
