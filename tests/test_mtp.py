@@ -180,15 +180,15 @@ def test_greedy_equals_plain_under_preemption_and_chunked_prefill(target):
     assert llm.engine.scheduler.num_preemptions > 0
 
 
-@pytest.mark.parametrize("max_num_seqs", [None, 2])
-def test_adaptive_k_calibrates_on_the_hybrid_target(target, max_num_seqs):
+@pytest.mark.parametrize("max_num_seqs,static_shapes", [(None, False), (2, False), (2, True)])
+def test_adaptive_k_calibrates_on_the_hybrid_target(target, max_num_seqs, static_shapes):
     """Start-up calibration times scratch steps of many sequences: each takes a recurrent-state slot, which it
     gives back (they outnumbered the slots before), never more sequences than there are slots (max_num_seqs 2:
     the calibration ran out of slots before), and the output stays plain decoding's."""
     path, expected = target
     sizes = {} if max_num_seqs is None else {"max_num_seqs": max_num_seqs}
     llm = LLM(path, device="cpu", kv_cache_tokens=2048, block_size=4, speculator=SpecConfig("mtp", num_draft_tokens=2),
-              **sizes)
+              static_shapes=static_shapes, **sizes)
     assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == expected
     assert sorted(llm.engine.states.free) == list(range(llm.engine.config.max_num_seqs + 1))  # every slot back
 
