@@ -25,7 +25,7 @@ cp "$OUT/judge-twin27b-mtp/record.json" "$OUT/judge-h200-twin27b-mtp.json" 2>/de
 for f in "$OUT/judge-twin27b-mtp"/*.log; do tail -c 300000 "$f" > "$f.tail"; rm -f "$f"; done  # their ends, if it failed
 [ "${STEPS:-1}" = 1 ] && stage specsteps ${STEPS_STAGE_S:-170} python3 bench/spec_steps.py --target ref-hybrid \
   --target-twin "$TWIN" --configs ${STEPS_CONFIGS:-plain,mtp-k1,mtp-k2} --prompts ${STEPS_PROMPTS:-3} --tokens 48 \
-  --out "$OUT/spec-steps-twin27b-mtp.json"
+  --profile-steps ${PROFILE_STEPS:-8} --out "$OUT/spec-steps-twin27b-mtp.json"
 [ "${KERNEL:-1}" = 1 ] && stage kernel ${KERNEL_STAGE_S:-60} python3 bench/delta_rule_kernel.py \
   --out "$OUT/delta-rule-kernel.json"
 nvidia-smi --query-gpu=memory.used,memory.total --format=csv
