@@ -109,6 +109,8 @@ def test_record_has_the_specified_keys_and_types(normal):
     assert json.loads((out / "out" / "record.json").read_text()) == record
     assert set(SPEC_KEYS) <= set(record)
     assert record["reason"] is None, record["reason"]
+    run = record["run"]  # when and where: a record names its date, commit and GPUs
+    assert run["date"].endswith("UTC") and isinstance(run["gpus"], list) and run["commit"]
     for name in ("solo", "team", "busy"):
         row = record["ratios"][name]
         assert len(row["passes"]) == 3 and all(isinstance(p, float) for p in row["passes"])

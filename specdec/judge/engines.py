@@ -69,6 +69,10 @@ class Nvml:
     def used_bytes(self) -> int:
         return sum(self.pynvml.nvmlDeviceGetMemoryInfo(h).used for h in self.handles)
 
+    def names(self) -> list[str]:
+        """The visible GPUs' names (e.g. 'NVIDIA H100 80GB HBM3'), none without NVML."""
+        return [str(self.pynvml.nvmlDeviceGetName(h)) for h in self.handles] if self.available else []
+
     def process_bytes(self) -> dict[int, int]:
         """{pid: GPU bytes} over every device (pids as NVML sees them)."""
         usage: dict[int, int] = {}

@@ -12,7 +12,9 @@ import asyncio
 import dataclasses
 import json
 import math
+import os
 import shlex
+import subprocess
 import time
 from pathlib import Path
 
@@ -22,7 +24,7 @@ from specdec.judge import gates, stats
 from specdec.judge.client import (ACCEPTED, DRAFTED, VERIFY_STEPS, EngineApi, NoLogprobs, RequestError,
                                   fetch_metrics, fetch_metrics_sync, find_metric, http_get, kv_use, run_batch)
 from specdec.judge.config import JudgeConfig, load_prompts
-from specdec.judge.engines import Engine, JudgeFailure, gpu_visible
+from specdec.judge.engines import Engine, JudgeFailure, gpu_visible, nvml
 from specdec.judge.progress import Reporter
 
 ROLES = ("stock", "candidate")
@@ -461,6 +463,7 @@ class Judge:
             "engines": {role: e.summary() for role, e in self.engines.items()},
             "settings": c.settings(),
             "duration_s": seconds,
+            "run": provenance(),
         }
 
     def title(self) -> str:
@@ -521,3 +524,20 @@ def rounded(value, digits: int = 6):
 
 def run_judge(config: JudgeConfig) -> dict:
     return Judge(config).run()
+
+
+def provenance() -> dict:
+    """When and where a record was made: the UTC date, specdec's commit (SPECDEC_COMMIT, else git where the
+    package is a checkout, else None) and the GPUs NVML sees (none on a CPU machine)."""
+    return {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "commit": source_commit(),
+            "gpus": nvml().names()}
+
+
+def source_commit() -> str | None:
+    if os.environ.get("SPECDEC_COMMIT"):
+        return os.environ["SPECDEC_COMMIT"]
+    try:
+        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True, stderr=subprocess.DEVNULL,
+                                       cwd=Path(__file__).resolve().parent).strip() or None
+    except (OSError, subprocess.CalledProcessError):
+        return None
