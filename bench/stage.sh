@@ -3,6 +3,7 @@
 # STAGE_TAIL: lines of its log echoed (default 30).
 stage() {  # stage NAME SECONDS COMMAND...: at most SECONDS, and never past LIMIT
   local name=$1 want=$2; shift 2
+  [ "$want" -le 0 ] && { echo "$name: skipped (0 s asked)"; return; }  # (timeout 0 would mean no limit at all)
   local left=$((LIMIT - SECONDS - 10))
   [ "$left" -lt "${STAGE_MIN_S:-30}" ] && { echo "$name: skipped (no time left)"; return; }
   [ "$want" -gt "$left" ] && want=$left
