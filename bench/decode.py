@@ -270,6 +270,8 @@ def main(argv=None) -> int:
     results["verify_cost"] = verify
     bs1 = next(r for r in table if r["batch"] == 1 and r["context"] == contexts[0] and "step_ms" in r)
     results["step_ms_bs1"] = bs1["step_ms"]
+    if "profile" in bs1:  # the share of a step the GPU waits for the host: its wall time less its kernels' time
+        results["host_gap_ms_bs1"] = max(0.0, bs1["step_ms"] - bs1["profile"]["gpu_us_per_step"] / 1e3)
     results["attention_backend"] = args.attention_backend or "sdpa"
     results.update(commit=results["env"].get("commit"), date=results["env"].get("date"))
     for b in (1, 32):  # issue 21's figures: a verify step of 7 drafts against a plain step
