@@ -107,8 +107,10 @@ class GatedRMSNorm(nn.Module):
 
 
 class GatedDeltaNet(nn.Module):
-    """forward(x [T, hidden], groups, states) -> [T, hidden].  state_index: this layer's place among the
-    model's linear layers, i.e. its entry in states.conv / states.ssm."""
+    """forward(x [T, hidden], groups, states) -> [T, hidden], in three parts: project (row-wise), core (the
+    conv and delta rule per sequence group, with the state store) and output (row-wise); engine/piecewise_hybrid.py
+    runs the row-wise parts as CUDA graphs.  state_index: this layer's place among the model's linear layers,
+    i.e. its entry in states.conv / states.ssm."""
 
     def __init__(self, config: ModelConfig, state_index: int):
         super().__init__()
@@ -141,11 +143,21 @@ class GatedDeltaNet(nn.Module):
         return self.in_proj_qkv(x), self.in_proj_z(x), self.in_proj_b(x), self.in_proj_a(x)
 
     def forward(self, x: torch.Tensor, groups: list[SequenceGroup], states: StateBatch) -> torch.Tensor:
-        tokens = x.shape[0]
         mixed, z, b, a = self.project(x)
-        core = x.new_empty(tokens, self.num_v_heads, self.v_dim)  # [T, Hv, Dv]
+        return self.output(self.core(mixed, b, a, groups, states), z)
+
+    def core(self, mixed: torch.Tensor, b: torch.Tensor, a: torch.Tensor, groups: list[SequenceGroup],
+             states: StateBatch) -> torch.Tensor:
+        """The shape-dependent part (conv, delta rule, state store per group): mixed [T, conv_dim], b, a [T, Hv]
+        -> [T, Hv, Dv] in mixed's dtype (rows of no group left unset)."""
+        core = mixed.new_empty(mixed.shape[0], self.num_v_heads, self.v_dim)  # [T, Hv, Dv]
         for group in groups:
             core[group.rows.flatten()] = self._attend_group(group, mixed, b, a, states).flatten(0, 1)
+        return core
+
+    def output(self, core: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        """core [T, Hv, Dv] gated by z [T, Hv*Dv] in the norm -> out_proj -> [T, hidden].  Row-wise."""
+        tokens = core.shape[0]
         out = self.norm(core, z.view(tokens, self.num_v_heads, self.v_dim))
         return self.out_proj(out.reshape(tokens, self.value_width))
 

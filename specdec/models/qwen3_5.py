@@ -112,12 +112,17 @@ class GatedAttention(nn.Module):
             attended = attended * torch.sigmoid(gate)
         return self.o_proj(attended.flatten(-2))
 
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: AttentionBatch,
+               kv_cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """Write this step's keys/values to the cache and attend (the shape-dependent part): -> [T, H, D]."""
+        k_cache, v_cache = kv_cache
+        write_kv(k_cache, v_cache, k, v, batch.slot_mapping)
+        return paged_attention(q, k_cache, v_cache, batch, self.scale)
+
     def forward(self, x: torch.Tensor, rotary: PartialRotary, cos_sin: tuple[torch.Tensor, torch.Tensor],
                 batch: AttentionBatch, kv_cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         q, k, v, gate = self.heads(x, rotary, cos_sin)
-        k_cache, v_cache = kv_cache
-        write_kv(k_cache, v_cache, k, v, batch.slot_mapping)
-        return self.output(paged_attention(q, k_cache, v_cache, batch, self.scale), gate)  # [T, H, D] attended
+        return self.output(self.attend(q, k, v, batch, kv_cache), gate)
 
 
 class HybridDecoderLayer(nn.Module):
@@ -141,13 +146,35 @@ class HybridDecoderLayer(nn.Module):
         """The residual stream x [T, hidden] -> after this layer [T, hidden].  A linear layer reads groups and
         batch.states; a full-attention one rotary, cos_sin and its kv_cache (the target's and the MTP head's
         layers alike)."""
-        h = self.input_layernorm(x)
-        if self.is_linear:
-            mixed = self.linear_attn(h, groups, batch.states)
-        else:
-            mixed = self.self_attn(h, rotary, cos_sin, batch, kv_cache)
-        x, h = self.post_attention_layernorm.add_forward(x, mixed)
+        pre = self.pre_mixer(self.input_layernorm(x), rotary, cos_sin)
+        core = self.core(pre, batch, kv_cache, groups)
+        x, h = self.post_attention_layernorm.add_forward(x, self.post_mixer(core, pre))
         return x + self.mlp(h)
+
+    # The token mixer in three parts: pre_mixer and post_mixer are row-wise (engine/piecewise_hybrid.py replays
+    # them inside CUDA graphs), core depends on the step's layout and runs eagerly.
+
+    def pre_mixer(self, h: torch.Tensor, rotary: PartialRotary | None, cos_sin) -> tuple:
+        """The normed input h [T, hidden] -> a linear layer's (mixed [T, conv_dim], z [T, Hv*Dv], b, a [T, Hv]),
+        a full-attention layer's (q [T, H, D], k, v [T, Hkv, D], gate [T, H, D] or None)."""
+        if self.is_linear:
+            return self.linear_attn.project(h)
+        return self.self_attn.heads(h, rotary, cos_sin)
+
+    def core(self, pre: tuple, batch: AttentionBatch, kv_cache, groups: list[SequenceGroup]) -> torch.Tensor:
+        """pre_mixer's outputs -> a linear layer's delta-rule output [T, Hv, Dv] (states advanced or deferred),
+        a full-attention layer's attended values [T, H, D] (keys and values written to kv_cache)."""
+        if self.is_linear:
+            mixed, _, b, a = pre
+            return self.linear_attn.core(mixed, b, a, groups, batch.states)
+        q, k, v, _ = pre
+        return self.self_attn.attend(q, k, v, batch, kv_cache)
+
+    def post_mixer(self, core: torch.Tensor, pre: tuple) -> torch.Tensor:
+        """core's output (gated by z or gate from pre) -> the mixer's output [T, hidden]."""
+        if self.is_linear:
+            return self.linear_attn.output(core, pre[1])
+        return self.self_attn.output(core, pre[3])
 
 
 class HybridBody(nn.Module):
@@ -203,6 +230,22 @@ class HybridCausalLM(nn.Module):
         hidden = self.model.norm(x)
         self.keep_feature(len(self.model.layers), hidden)  # the final feature: what the LM head reads
         return hidden
+
+    def embed_piece(self, input_ids: torch.Tensor, positions: torch.Tensor):
+        """The first piece of a piecewise step (engine/piecewise_hybrid.py): ids, positions [T] -> the residual
+        stream x [T, hidden], layer 0's input norm of it, cos/sin [T, 1, rot] (None without attention layers)."""
+        x = self.model.embed_tokens(input_ids)
+        cos_sin = self.rotary.lookup(positions, x.dtype) if self.config.num_attention_layers else None
+        return x, self.model.layers[0].input_layernorm(x), cos_sin
+
+    def post_mixer_piece(self, i: int, x: torch.Tensor, core: torch.Tensor, pre: tuple):
+        """Layer i from its mixer's core output on: -> (x, the next layer's input norm of x, or the final norm
+        after the last layer).  Each residual add is fused with the norm that follows it."""
+        layers = self.model.layers
+        layer = layers[i]
+        x, h = layer.post_attention_layernorm.add_forward(x, layer.post_mixer(core, pre))
+        next_norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
+        return next_norm.add_forward(x, layer.mlp(h))
 
     def _check_inputs(self, batch: AttentionBatch, kv_caches: KVCaches) -> None:
         want = self.config.num_attention_layers
