@@ -96,6 +96,7 @@ class Pools:
         self.kv = [(torch.zeros(shape), torch.zeros(shape)) for _ in c.attention_layer_ids]
         self.conv, self.ssm = new_state_pools(c, num_seqs + 1, "cpu", torch.float32)
         self.lens = [0] * num_seqs
+        self.forward = model  # what runs a step (a piecewise runner's forward, in its test)
 
     def table(self, s: int) -> list[int]:
         return [1 + s * self.blocks_per_seq + b for b in range(self.blocks_per_seq)]
@@ -118,7 +119,7 @@ class Pools:
         batch.prepare(self.block_size)
         batch.states = StateBatch(self.conv, self.ssm, slots=[s + 1 for s in feeds], defer=[s in defer for s in feeds])
         with torch.no_grad():
-            logits = self.model(torch.tensor(ids), torch.tensor(positions), batch, self.kv)
+            logits = self.forward(torch.tensor(ids), torch.tensor(positions), batch, self.kv)
         for s, tokens in feeds.items():
             if s not in defer:
                 self.lens[s] += len(tokens)
@@ -221,6 +222,34 @@ def test_commit_in_a_mixed_verify_step(case):
     assert max_diff(pools.step({0: ids[31:32]})[0][0], ref[31:32]) <= TOL
     both, _ = pools.step({1: ids[34:35], 2: ids[34:35]})
     assert max_diff(both[0], ref[34:35]) <= TOL and max_diff(both[1], ref[34:35]) <= TOL
+
+
+def test_piecewise_forward_equals_the_plain_one_on_mixed_steps(case):
+    """engine/piecewise_hybrid.py: the row-wise pieces on bucket-padded static buffers (run eagerly on a CPU)
+    with each mixer's core between them give the plain forward's logits, captured features and states: a
+    ragged prefill of three (44 rows, bucket 64), then a mixed step (two decodes and a 5-token feed beside a new
+    20-token prefill chunk, one sequence deferred: 27 rows, bucket 32)."""
+    from specdec.engine.piecewise_hybrid import HybridPiecewiseRunner
+
+    path, ids, _ = case
+    model = load_model(path)
+    model.capture_features((0, 2, 4), 64)
+    runner = HybridPiecewiseRunner(model, torch.device("cpu"), max_tokens=100, capture=False)
+    assert runner.buckets == [16, 32, 64, 128]
+    plain, pieces = Pools(model), Pools(model)
+    pieces.forward = runner.forward
+    steps = [({0: ids[:30], 1: ids[5:18], 2: ids[9:10]}, ()),
+             ({0: ids[30:31], 1: ids[18:23], 2: ids[10:11], 3: ids[:20]}, (1,))]
+    for feeds, defer in steps:
+        rows = sum(len(t) for t in feeds.values())
+        want, _ = plain.step(feeds, defer)
+        want_features = model.features[:rows].clone()
+        got, _ = pieces.step(feeds, defer)
+        assert [g.shape for g in got] == [w.shape for w in want]
+        assert all(max_diff(g, w) <= 1e-5 for g, w in zip(got, want))
+        assert max_diff(model.features[:rows], want_features) <= 1e-5
+    assert runner.forwards == 2
+    assert all(max_diff(a, b) <= 1e-5 for a, b in zip(pieces.conv + pieces.ssm, plain.conv + plain.ssm))
 
 
 def test_conditional_generation_layout_and_features(tmp_path, caplog):

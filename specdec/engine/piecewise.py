@@ -38,22 +38,27 @@ class PiecewiseRunner:
         while self.buckets[-1] < max_tokens:
             self.buckets.append(2 * self.buckets[-1])
         self.num_layers = len(model.model.layers)
-        rows, config = self.buckets[-1], model.config
-        dtype = model.model.embed_tokens.weight.dtype
-        attn = model.model.layers[0].self_attn
-        heads, kv_heads, head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
-
-        def buffer(*shape, kind=dtype):
-            return torch.zeros(rows, *shape, dtype=kind, device=device)
-
-        self.ids, self.positions = buffer(kind=torch.long), buffer(kind=torch.long)
-        self.x, self.h = buffer(config.hidden_size), buffer(config.hidden_size)  # residual stream; normed
-        self.cos, self.sin = buffer(1, head_dim), buffer(1, head_dim)
-        self.q, self.k, self.v = buffer(heads, head_dim), buffer(kv_heads, head_dim), buffer(kv_heads, head_dim)
-        self.attended = buffer(heads, head_dim)
+        self.ids, self.positions = self.buffer(kind=torch.long), self.buffer(kind=torch.long)
+        hidden = model.config.hidden_size
+        self.x, self.h = self.buffer(hidden), self.buffer(hidden)  # residual stream; normed
+        self._layer_buffers()
         self.graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}  # bucket -> one graph per piece
         self.pool = torch.cuda.graph_pool_handle() if self.capture else None
         self.forwards = 0
+
+    def buffer(self, *shape: int, kind: torch.dtype | None = None) -> torch.Tensor:
+        """A zeroed static buffer [widest bucket, *shape] (the model's dtype unless kind)."""
+        kind = kind or self.model.model.embed_tokens.weight.dtype
+        return torch.zeros(self.buckets[-1], *shape, dtype=kind, device=self.device)
+
+    def _layer_buffers(self) -> None:
+        """The static buffers between the pieces and attention (engine/piecewise_hybrid.py has its own)."""
+        attn = self.model.model.layers[0].self_attn
+        heads, kv_heads, head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
+        self.cos, self.sin = self.buffer(1, head_dim), self.buffer(1, head_dim)
+        self.q, self.k, self.v = (self.buffer(heads, head_dim), self.buffer(kv_heads, head_dim),
+                                  self.buffer(kv_heads, head_dim))
+        self.attended = self.buffer(heads, head_dim)
 
     def fits(self, tokens: int) -> bool:
         return tokens <= self.buckets[-1]
@@ -65,12 +70,7 @@ class PiecewiseRunner:
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch, kv_caches: KVCaches,
                 logits_index: torch.Tensor | None = None) -> torch.Tensor:
         """As CausalLM.forward: ids, positions [T] -> logits [N, V] at logits_index (all T rows if None)."""
-        tokens = ids.shape[0]
-        n = self.bucket(tokens)
-        self.ids[:tokens].copy_(ids)
-        self.ids[tokens:n].zero_()
-        self.positions[:tokens].copy_(positions)
-        self.positions[tokens:n].zero_()
+        tokens, n = self._stage(ids, positions)
         self._run(n, 0)
         for i, kv_cache in enumerate(kv_caches):
             self.model.keep_feature(i, self.x[:tokens])  # the residual stream entering layer i
@@ -78,8 +78,22 @@ class PiecewiseRunner:
             self.attended[:tokens].copy_(attn.attend(self.q[:tokens], self.k[:tokens], self.v[:tokens], batch,
                                                      kv_cache))
             self._run(n, i + 1)
+        return self._logits(tokens, logits_index)
+
+    def _stage(self, ids: torch.Tensor, positions: torch.Tensor) -> tuple[int, int]:
+        """Copy ids, positions [T] into the static buffers, rows T..bucket zeroed: -> (T, the bucket)."""
+        tokens = ids.shape[0]
+        n = self.bucket(tokens)
+        self.ids[:tokens].copy_(ids)
+        self.ids[tokens:n].zero_()
+        self.positions[:tokens].copy_(positions)
+        self.positions[tokens:n].zero_()
+        return tokens, n
+
+    def _logits(self, tokens: int, logits_index: torch.Tensor | None) -> torch.Tensor:
+        """After the last piece: keep the final feature, count the forward, -> logits [N, V]."""
         hidden = self.h[:tokens]
-        self.model.keep_feature(len(kv_caches), hidden)  # the final feature
+        self.model.keep_feature(self.num_layers, hidden)  # the final feature
         self.forwards += 1
         return self.model.lm_head(hidden if logits_index is None else hidden[logits_index])
 
