@@ -18,6 +18,7 @@ from specdec.engine.scheduler import ScheduledSeq, Scheduler
 from specdec.engine.state_slots import StateSlots
 from specdec.errors import ConfigError, InvalidRequestError
 from specdec.models.attention import BACKENDS as ATTENTION_BACKENDS, kernel_device, set_attention_backend
+from specdec.models.qwen3_5 import HybridCausalLM
 from specdec.models.transformer import CausalLM
 from specdec.sampling import SamplingParams, top_logprobs
 from specdec.transfer import upload
@@ -58,7 +59,8 @@ class EngineConfig:
     compile_graphs: str | None = None  # torch.compile backend for each fixed-shape step before capture
     # Eager steps (prefills, mixed steps) replay everything but attention as CUDA graphs per token bucket
     # (engine/piecewise.py): 2-3x cheaper eager steps for the reference target on the H200.  None: on with
-    # CUDA graphs on a GPU, unless tensor-parallel (not supported there yet).
+    # CUDA graphs on a GPU, unless tensor-parallel (not supported there yet) or a hybrid model (Qwen3.5:
+    # engine/piecewise_hybrid.py, opt-in with True until it is measured on a GPU).
     piecewise_graphs: bool | None = None
     # Attention of decode / verify steps (specdec.models.attention): "triton" reads the paged KV in a kernel
     # (GPU only), "sdpa" gathers it for SDPA; None: default_attention_backend (the kernel on a GPU with triton).
@@ -117,6 +119,7 @@ class Engine:
             step_bytes = profile_step_bytes(model, config.max_num_batched_tokens, config.max_num_seqs,
                                             config.block_size, self.device)
             if self.piecewise_graphs:  # the pieces' private graph pool holds a widest step's temporaries too
+                # (a hybrid model's pieces as a dense one's)
                 step_bytes *= 2
         num_blocks = num_blocks_for(mc, config.block_size, dtype, self.device, config.kv_cache_tokens,
                                     config.gpu_memory_utilization, step_bytes, config.shared_kv_bytes_per_token)
@@ -178,12 +181,9 @@ class Engine:
 
     def _use_piecewise(self, model: CausalLM) -> bool:
         tensor_parallel = getattr(model, "tensor_parallel", None) is not None
-        if model.config.is_hybrid:
-            if self.config.piecewise_graphs:
-                raise ConfigError("piecewise_graphs do not run hybrid models (Qwen3.5) yet: leave it unset")
-            return False
-        if self.config.piecewise_graphs is None:
-            return self.device.type == "cuda" and self.config.cuda_graphs and not tensor_parallel
+        if self.config.piecewise_graphs is None:  # default: off for hybrids (opt-in until measured on a GPU)
+            return self.device.type == "cuda" and self.config.cuda_graphs and not tensor_parallel and \
+                not isinstance(model, HybridCausalLM)
         if self.config.piecewise_graphs and tensor_parallel:
             raise ConfigError("piecewise_graphs does not support tensor parallelism yet: leave it off with "
                               "tensor_parallel_size > 1")
@@ -193,8 +193,10 @@ class Engine:
         if not self.piecewise_graphs:
             return None
         from specdec.engine.piecewise import PiecewiseRunner
+        from specdec.engine.piecewise_hybrid import HybridPiecewiseRunner
 
-        return PiecewiseRunner(self.model, self.device, self.config.max_num_batched_tokens, self.config.cuda_graphs)
+        runner = HybridPiecewiseRunner if isinstance(self.model, HybridCausalLM) else PiecewiseRunner
+        return runner(self.model, self.device, self.config.max_num_batched_tokens, self.config.cuda_graphs)
 
     @property
     def graph_context_bound(self) -> int:
