@@ -180,6 +180,18 @@ def test_greedy_equals_plain_under_preemption_and_chunked_prefill(target):
     assert llm.engine.scheduler.num_preemptions > 0
 
 
+@pytest.mark.parametrize("static_shapes", [False, True])
+def test_greedy_equals_plain_in_piecewise_steps(target, static_shapes):
+    """Eager steps through engine/piecewise_hybrid.py (opt-in) keep the final-normed features the head reads."""
+    path, expected = target
+    llm = mtp_llm(path, 3, kv_cache_tokens=96, max_num_batched_tokens=8, piecewise_graphs=True,
+                  static_shapes=static_shapes)
+    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == expected
+    runner = llm.engine.runner
+    assert runner.piecewise.forwards == runner.eager_forwards > 0
+    assert llm.engine.scheduler.num_preemptions > 0 and llm.engine.metrics()["accepted_tokens"] > 0
+
+
 @pytest.mark.parametrize("max_num_seqs,static_shapes", [(None, False), (2, False), (2, True)])
 def test_adaptive_k_calibrates_on_the_hybrid_target(target, max_num_seqs, static_shapes):
     """Start-up calibration times scratch steps of many sequences: each takes a recurrent-state slot, which it

@@ -70,10 +70,29 @@ def test_ngram_speculation_equals_plain_decoding(hybrid, k):
 
 def test_hybrid_refuses_what_it_cannot_run(hybrid):
     path, _ = hybrid
-    for option in ("piecewise_graphs", "compile_graphs"):
-        with pytest.raises(ConfigError, match="hybrid"):
-            LLM(path, device="cpu", static_shapes=True, kv_cache_tokens=256,
-                **{option: True if option == "piecewise_graphs" else "inductor"})
+    with pytest.raises(ConfigError, match="hybrid"):
+        LLM(path, device="cpu", static_shapes=True, kv_cache_tokens=256, compile_graphs="inductor")
+
+
+@pytest.mark.parametrize("static_shapes", [False, True])
+def test_piecewise_steps_equal_transformers(hybrid, static_shapes):
+    """Eager steps (prefills, mixed steps) through engine/piecewise_hybrid.py (opt-in; its pieces run eagerly
+    on a CPU on bucket-padded buffers): greedy output equals transformers', batched, under preemption and
+    chunked prefill, and with n-gram drafts; every eager step took the pieces."""
+    from specdec.engine.piecewise_hybrid import HybridPiecewiseRunner
+
+    path, expected = hybrid
+    ngram = SpecConfig("ngram", num_draft_tokens=3, adaptive=False)
+    for extra in ({}, {"kv_cache_tokens": 96, "max_num_batched_tokens": 8}, {"speculator": ngram}):
+        out, llm = generate(path, piecewise_graphs=True, static_shapes=static_shapes, **extra)
+        assert out == expected
+        runner = llm.engine.runner
+        assert isinstance(runner.piecewise, HybridPiecewiseRunner)
+        assert runner.piecewise.forwards == runner.eager_forwards > 0
+        if "kv_cache_tokens" in extra:
+            assert llm.engine.scheduler.num_preemptions > 0
+    assert llm.engine.metrics()["accepted_tokens"] > 0
+    assert LLM(path, device="cpu", kv_cache_tokens=256).engine.piecewise_graphs is False  # the default: off
 
 
 @pytest.mark.parametrize("speculator", [None, "ngram-1", "ngram-4", "draft-3", "eagle3-2"])
