@@ -402,3 +402,25 @@ def test_hybrid_model_runs_its_norms_and_gates_through_the_swappable_kernels():
     assert torch.equal(swapped, plain)
     for name in ("zero_centred_rms_norm", "add_zero_centred_rms_norm", "gated_rms_norm", "delta_rule_gates", "rotate"):
         assert calls[name] > 0, name
+
+
+@pytest.mark.parametrize("counts,in_order", [((1, 1, 1), True), ((3, 3), True), ((1, 5, 1), False), ((2, 0, 2), False)])
+def test_sequence_groups_read_the_step_s_rows_in_place_when_they_are_in_order(counts, in_order):
+    """A group holding every row of the step in order (a decode or verify step of equal counts, a padded step)
+    reads them as a view, with no gather; any other group gathers its rows."""
+    from specdec.models.gated_deltanet import plan_groups
+
+    starts = [0]
+    for n in counts:
+        starts.append(starts[-1] + n)
+    batch = AttentionBatch(torch.tensor(starts), torch.tensor([n + 4 for n in counts]), torch.zeros(len(counts), 1,
+                           dtype=torch.long), torch.zeros(starts[-1], dtype=torch.long), max(counts), max(counts) + 4,
+                           host_lens=(list(counts), [n + 4 for n in counts]))
+    batch.states = StateBatch([], [], slots=list(range(len(counts))), defer=[False] * len(counts))
+    groups = plan_groups(batch)
+    assert [g.in_order for g in groups] == [in_order] * len(groups)
+    rows = torch.randn(starts[-1], 3)
+    for group in groups:
+        taken = group.take(rows)
+        assert torch.equal(taken, rows[group.rows])  # the same values either way
+        assert (taken.data_ptr() == rows.data_ptr()) == in_order  # a view only when in order

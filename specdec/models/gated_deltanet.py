@@ -40,6 +40,12 @@ class SequenceGroup:
     deferred: list[int]  # positions (in the group) of the deferred ones; empty: none
     kept: torch.Tensor | None = None  # [m'] positions of the others (state written back), when only some are deferred
     deferred_index: torch.Tensor | None = None  # [m - m'] the deferred positions, when only some are deferred
+    in_order: bool = False  # rows are all of the step's rows in order (rows == arange(T).view(m, n))
+
+    def take(self, t: torch.Tensor) -> torch.Tensor:
+        """The group's rows of t [T, ...] as [m, n, ...]: a view when they are the step's rows in order (no
+        gather kernel), else gathered."""
+        return t.reshape(*self.rows.shape, *t.shape[1:]) if self.in_order else t[self.rows]
 
     @property
     def n(self) -> int:
@@ -73,7 +79,8 @@ def plan_groups(batch: AttentionBatch) -> list[SequenceGroup]:
     for n, seqs in by_count.items():
         group = SequenceGroup(seqs=seqs, rows=upload([[starts[i] + j for j in range(n)] for i in seqs], device),
                               slots=upload([states.slots[i] for i in seqs], device),
-                              deferred=[p for p, i in enumerate(seqs) if states.defer[i]])
+                              deferred=[p for p, i in enumerate(seqs) if states.defer[i]],
+                              in_order=len(by_count) == 1 and len(seqs) == len(counts))
         if group.deferred and len(group.deferred) < len(seqs):
             group.kept = upload([p for p, i in enumerate(seqs) if not states.defer[i]], device)
             group.deferred_index = upload(group.deferred, device)
@@ -89,7 +96,7 @@ def uniform_group(q: int, states: StateBatch) -> SequenceGroup:
         raise ValueError(f"a padded step defers all of its {num_seqs} sequences or none, got {states.defer}")
     rows = torch.arange(num_seqs * q, device=states.slots.device).view(num_seqs, q)
     return SequenceGroup(seqs=list(range(num_seqs)), rows=rows, slots=states.slots,
-                         deferred=list(range(num_seqs)) if any(states.defer) else [])
+                         deferred=list(range(num_seqs)) if any(states.defer) else [], in_order=True)
 
 
 class GatedRMSNorm(nn.Module):
@@ -150,6 +157,8 @@ class GatedDeltaNet(nn.Module):
              states: StateBatch) -> torch.Tensor:
         """The shape-dependent part (conv, delta rule, state store per group): mixed [T, conv_dim], b, a [T, Hv]
         -> [T, Hv, Dv] in mixed's dtype (rows of no group left unset)."""
+        if len(groups) == 1 and groups[0].in_order:  # one group of every row in order: no scatter
+            return self._attend_group(groups[0], mixed, b, a, states).flatten(0, 1)
         core = mixed.new_empty(mixed.shape[0], self.num_v_heads, self.v_dim)  # [T, Hv, Dv]
         for group in groups:
             core[group.rows.flatten()] = self._attend_group(group, mixed, b, a, states).flatten(0, 1)
@@ -164,12 +173,12 @@ class GatedDeltaNet(nn.Module):
     def _attend_group(self, group: SequenceGroup, mixed: torch.Tensor, b: torch.Tensor, a: torch.Tensor,
                       states: StateBatch) -> torch.Tensor:
         """One group's [m, n, Hv, Dv] outputs (x's dtype), its states advanced or recorded."""
-        rows, (m, n) = group.rows, group.rows.shape
+        m, n = group.rows.shape
         conv_pool, ssm_pool = states.conv[self.state_index], states.ssm[self.state_index]
-        conved, window = causal_conv(mixed[rows], conv_pool[group.slots], self.conv1d.weight)  # [m, n, C]
+        conved, window = causal_conv(group.take(mixed), conv_pool[group.slots], self.conv1d.weight)  # [m, n, C]
         q, k, v = conved.split([self.key_width, self.key_width, self.value_width], dim=-1)
         q, k = (t.reshape(m, n, self.num_k_heads, self.k_dim) for t in (q, k))
-        q, k, beta, g = Kernels.delta_rule_gates(q, k, b[rows], a[rows], self.A_log, self.dt_bias,
+        q, k, beta, g = Kernels.delta_rule_gates(q, k, group.take(b), group.take(a), self.A_log, self.dt_bias,
                                                  self.k_dim**-0.5)  # float32 [m, n, Hk, Dk] x 2, [m, n, Hv] x 2
         v = v.reshape(m, n, self.num_v_heads, self.v_dim)  # [m, n, Hv, Dv], x's dtype
         if group.recurrent:
