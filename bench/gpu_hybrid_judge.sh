@@ -16,7 +16,7 @@ STAGE_MIN_S=20 STAGE_TAIL=${STAGE_TAIL:-25}
 source "$(dirname "$0")/stage.sh"
 TWIN=${TWIN:-qwen3.5-27b}
 SERVE="python3 -m specdec.cli serve ref-hybrid --twin $TWIN --device cuda --max-num-seqs ${MAX_SEQS:-24} \
-  --kv-cache-tokens ${KV_TOKENS:-4096} --max-model-len 2048"
+  --kv-cache-tokens ${KV_TOKENS:-4096} --max-model-len 2048 ${SERVE_EXTRA}"  # e.g. SERVE_EXTRA=--piecewise-graphs
 [ "${STEPS:-1}" = 1 ] && stage specsteps ${STEPS_STAGE_S:-170} python3 bench/spec_steps.py --target ref-hybrid \
   --target-twin "$TWIN" --configs ${STEPS_CONFIGS:-plain,mtp-k1,mtp-k2} --prompts ${STEPS_PROMPTS:-3} --tokens 48 \
   --profile-steps ${PROFILE_STEPS:-8} --out "$OUT/spec-steps-twin27b-mtp.json"
