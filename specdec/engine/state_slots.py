@@ -4,6 +4,8 @@ Each running request owns one slot of the pools (models/recurrent_state.py): tak
 zeroed whenever it is fed from position 0 (a new request, or one preempted and now recomputed from scratch),
 released when it finishes or is preempted.  A verify step defers the slots of the sequences with drafts and
 `commit` then advances each by exactly the tokens it kept, so a rejected draft leaves no trace in the state.
+A fixed-shape (CUDA graph) step assigns its slots here too and sets the commit it needs
+(engine/static_hybrid.py); padding sequences use the scratch slot, which no request ever owns.
 
 Prefix caching is off for hybrid models: a cached block holds keys and values, not the recurrent state after
 its tokens, so a hit could not resume the linear layers.
