@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import json
 import platform
-import subprocess
 import time
 from pathlib import Path
 
 import torch
+
+from specdec.models.provenance import source_commit
 
 
 def sync(device: torch.device) -> None:
@@ -56,15 +57,7 @@ def environment(device: torch.device) -> dict:
 
 
 def git_commit() -> str:
-    import os
-
-    if os.environ.get("SPECDEC_COMMIT"):
-        return os.environ["SPECDEC_COMMIT"]
-    try:
-        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True,
-                                       stderr=subprocess.DEVNULL).strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
+    return source_commit() or "unknown"
 
 
 def write_json(path: str | Path, data: dict) -> None:

@@ -12,9 +12,7 @@ import asyncio
 import dataclasses
 import json
 import math
-import os
 import shlex
-import subprocess
 import time
 from pathlib import Path
 
@@ -26,6 +24,7 @@ from specdec.judge.client import (ACCEPTED, DRAFTED, VERIFY_STEPS, EngineApi, No
 from specdec.judge.config import JudgeConfig, load_prompts
 from specdec.judge.engines import Engine, JudgeFailure, gpu_visible, nvml
 from specdec.judge.progress import Reporter
+from specdec.models.provenance import source_commit
 
 ROLES = ("stock", "candidate")
 SPEC_KEYS = ("ratios", "specscore", "greedy_agreement", "likelihood", "argmax", "fidelity", "lengths", "memory",
@@ -531,13 +530,3 @@ def provenance() -> dict:
     package is a checkout, else None) and the GPUs NVML sees (none on a CPU machine)."""
     return {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "commit": source_commit(),
             "gpus": nvml().names()}
-
-
-def source_commit() -> str | None:
-    if os.environ.get("SPECDEC_COMMIT"):
-        return os.environ["SPECDEC_COMMIT"]
-    try:
-        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True, stderr=subprocess.DEVNULL,
-                                       cwd=Path(__file__).resolve().parent).strip() or None
-    except (OSError, subprocess.CalledProcessError):
-        return None

@@ -1,9 +1,12 @@
-"""``weights.sha256.json``: the sha256 of each weight file of an exported checkpoint, checked at load."""
+"""``weights.sha256.json``: the sha256 of each weight file of an exported checkpoint, checked at load; and the
+commit of the source that made a record (`source_commit`)."""
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
+import subprocess
 from pathlib import Path
 
 from specdec.errors import ModelLoadError
@@ -47,3 +50,15 @@ def check_weights_sha256(model_dir: Path | str) -> str:
             raise ModelLoadError(f"{weights}: sha256 {actual} does not match {expected} recorded in {SHA256_FILE}: "
                                  "refusing to serve weights other than those exported")
     return f"{model_dir}: sha256 of {len(record)} weight file(s) match {SHA256_FILE}"
+
+
+def source_commit() -> str | None:
+    """specdec's commit: SPECDEC_COMMIT (a copy without git history, as on the GPU machine), else git where the
+    package is a checkout, else None."""
+    if os.environ.get("SPECDEC_COMMIT"):
+        return os.environ["SPECDEC_COMMIT"]
+    try:
+        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True, stderr=subprocess.DEVNULL,
+                                       cwd=Path(__file__).resolve().parent).strip() or None
+    except (OSError, subprocess.CalledProcessError):
+        return None
