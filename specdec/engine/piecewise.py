@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import torch
 
+from specdec.engine.static_runner import warm_up
 from specdec.models.attention import AttentionBatch
 from specdec.models.transformer import CausalLM, KVCaches
 
@@ -136,13 +137,7 @@ class PiecewiseRunner:
 
     def _capture(self, n: int) -> list[torch.cuda.CUDAGraph]:
         pieces = range(self.num_layers + 1)
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            for _ in range(2):  # warm-up outside the graphs (allocator, compiled kernels' first call per shape)
-                for piece in pieces:
-                    self._piece(n, piece)
-        torch.cuda.current_stream(self.device).wait_stream(stream)
+        warm_up(self.device, lambda: [self._piece(n, piece) for piece in pieces])  # (compiled kernels' first calls)
         graphs = []
         for piece in pieces:  # temporaries live in the shared pool; outputs go to the static buffers
             graph = torch.cuda.CUDAGraph()

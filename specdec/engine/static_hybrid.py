@@ -23,7 +23,7 @@ import torch
 from specdec.engine.kv_cache import KVCache
 from specdec.engine.scheduler import ScheduledSeq
 from specdec.engine.state_slots import StateSlots
-from specdec.engine.static_runner import StaticRunner, _input_size
+from specdec.engine.static_runner import StaticRunner, _input_size, warm_up
 from specdec.models.attention import AttentionBatch
 from specdec.models.recurrent_state import RecordArena, StateBatch, commit_on_device
 from specdec.transfer import upload
@@ -88,11 +88,8 @@ class HybridStaticRunner(StaticRunner):
         return captured
 
     def _capture_commit(self, records: StateBatch, batch: int) -> torch.cuda.CUDAGraph:
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):  # warm-up: counts are 0 and every slot is the scratch one
-            commit_on_device(records, self.counts[:batch])
-        torch.cuda.current_stream(self.device).wait_stream(stream)
+        # warm-up: counts are 0 and every slot is the scratch one
+        warm_up(self.device, lambda: commit_on_device(records, self.counts[:batch]), times=1)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
             commit_on_device(records, self.counts[:batch])

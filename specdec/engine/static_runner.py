@@ -44,6 +44,18 @@ def _next_power_of_two(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
+def warm_up(device: torch.device, fn, times: int = 2):
+    """Run fn() `times` times on a side stream before a CUDA-graph capture, so that the allocator's and the
+    kernels' lazy set-up stay out of the graph; the current stream then waits for it.  Returns fn's last result."""
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        for _ in range(times):
+            result = fn()
+    torch.cuda.current_stream(device).wait_stream(stream)
+    return result
+
+
 def _input_size(batch: int, q: int, cols: int) -> int:
     return 3 * batch * q + batch + batch * cols
 
@@ -297,12 +309,7 @@ class StaticRunner:
         return self.logits[:rows]
 
     def _capture(self, batch: int, q: int, context: int):
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            for _ in range(2):  # warm-up outside the graph (allocator, kernels' lazy init)
-                warm = self._eager(batch, q, context)
-        torch.cuda.current_stream(self.device).wait_stream(stream)
+        warm = warm_up(self.device, lambda: self._eager(batch, q, context))
         out = self._logits_buffer(batch * q, warm)
         del warm
         graph = torch.cuda.CUDAGraph()
