@@ -3,9 +3,9 @@
 once, as under the team load), on scaled twins.
 
 For the plain twin engine and each speculating one: tokens/s over a few sampled replies (temperature 1,
-seeded), per k the steps taken, their mean time and the drafter's share of it (`propose`), tokens per step,
-the steps in which the drafter first caught up on tokens it had skipped (speculation switched back on) and
-their mean time, and the device memory the engine holds (allocated and reserved).
+seeded; --temperature 0: greedy), per k the steps taken, their mean time and the drafter's share of it
+(`propose`), tokens per step, the steps in which the drafter first caught up on tokens it had skipped
+(speculation switched back on) and their mean time, and the device memory the engine holds (allocated and reserved).
 
 GPU:  python3 bench/spec_steps.py --out $OUT/spec-steps-h200.json
 CPU dry run (tiny, no twins):  python3 bench/spec_steps.py --device cpu --target-twin "" --draft-twin "" \\
@@ -177,14 +177,15 @@ def phase_kernels(events, labels: set[str], ms_per_step: float, steps: int, top:
 
 
 def measure(name: str, make, prompts: list[str], tokens: int, device: torch.device,
-            profile_steps: int = 0, batch: int = 1) -> dict:
+            profile_steps: int = 0, batch: int = 1, temperature: float = 1.0) -> dict:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     t0 = time.perf_counter()
     llm = make()
     built_s = time.perf_counter() - t0
     clock = StepClock(llm)
-    params = [SamplingParams(max_tokens=tokens, temperature=1.0, seed=i, ignore_eos=True) for i in range(len(prompts))]
+    params = [SamplingParams(max_tokens=tokens, temperature=temperature, seed=i, ignore_eos=True)
+              for i in range(len(prompts))]
     llm.generate(prompts[:batch], params[:batch])  # warm-up
     clock.reset()
     before, compiles_before = llm.engine.metrics(), compiles()
@@ -224,6 +225,7 @@ def main(argv=None) -> int:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--batch", type=int, default=1, help="replies decoding together (1: the solo load)")
     parser.add_argument("--configs", default="plain,draft-adaptive-k8,draft-k4")
+    parser.add_argument("--temperature", type=float, default=1.0, help="the replies' temperature (0: greedy)")
     parser.add_argument("--attention-backend", default=None, choices=("sdpa", "triton"),
                         help="the engines' attention (default: the engine's, triton on a GPU)")
     parser.add_argument("--profile-steps", type=int, default=0,
@@ -253,10 +255,11 @@ def main(argv=None) -> int:
                                                                   **head)
     results = {"env": environment(device), "attention_backend": args.attention_backend or "engine default",
                "target": f"{args.target} as {args.target_twin} twin",
-               "drafter": f"{args.draft} as {args.draft_twin} twin", "tokens": args.tokens, "batch": args.batch, "rows": []}
+               "drafter": f"{args.draft} as {args.draft_twin} twin", "tokens": args.tokens, "batch": args.batch,
+               "temperature": args.temperature, "rows": []}
     for name in args.configs.split(","):
         row = measure(name, lambda: LLM(args.target, speculator=configs[name], **engine), prompts, args.tokens,
-                      device, args.profile_steps, args.batch)
+                      device, args.profile_steps, args.batch, args.temperature)
         results["rows"].append(row)
         print(json.dumps(row), flush=True)
         write_json(args.out, results)
