@@ -21,7 +21,7 @@ kernel = kernel_module("specdec.kernels.delta_rule")  # None outside the child
 @parent_only
 def test_kernel_cases_under_the_interpreter():
     """This file's kernel cases, in a child process started with TRITON_INTERPRET=1."""
-    run_child(__file__, min_passed=16, parent_tests=2)
+    run_child(__file__, min_passed=27, parent_tests=2)
 
 
 def make_case(batch, tokens, key_heads, repeat, dk, dv, seed=0):
@@ -128,6 +128,90 @@ def test_the_comparison_has_power():
     close(counted[0], final[0])
 
 
+def pool_case(batch, tokens, num_slots, seed):
+    """A kernel case whose states live in a random pool [num_slots, H, Dk, Dv]: (inputs, pool, slots [B]), the
+    slots distinct, in random order and never the first B in order (what ignoring them would read)."""
+    q, k, v, g, beta, _ = make_case(batch, tokens, 1, 3, 24, 16, seed=seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    pool = torch.randn(num_slots, *v.shape[2:3], 24, 16, generator=gen)
+    slots = torch.randperm(num_slots, generator=gen)[:batch]
+    if torch.equal(slots, torch.arange(batch)):
+        slots = slots.flip(0)
+    return (q, k, v, g, beta), pool, slots
+
+
+def untouched(pool, before, slots):
+    """Whether the rows of pool [N, ...] outside slots are bit-identical to before's."""
+    others = torch.ones(pool.shape[0], dtype=torch.bool)
+    others[slots] = False
+    return torch.equal(pool[others], before[others])
+
+
+@child_only
+@pytest.mark.parametrize("store", [True, False], ids=["store", "no-store"])
+@pytest.mark.parametrize("tokens,counts", [(3, None), (1, None), (4, [0, 4, 2]), (17, [17, 5, 0])])
+def test_slots_read_and_write_the_pool_in_place(tokens, counts, store):
+    """The slot-indexed mode equals the [B, ...] mode on the gathered states: the same outputs, the final states
+    in the slots' rows (store) or the pool bit-unchanged (no store), every other row bit-identical."""
+    inputs, pool, slots = pool_case(3, tokens, 7, seed=tokens)
+    counts = None if counts is None else torch.tensor(counts)
+    expected_out, expected_final = kernel.fused_recurrent(*inputs, pool[slots].clone(), counts)
+    before = pool.clone()
+    out, final = kernel.fused_recurrent(*inputs, pool, counts, slots=slots, store=store)
+    assert final is None
+    assert torch.equal(out, expected_out)  # the same arithmetic in the same order
+    if store:
+        assert torch.equal(pool[slots], expected_final)
+        assert untouched(pool, before, slots)
+    else:
+        assert torch.equal(pool, before)
+
+
+@child_only
+def test_slots_without_outputs_advance_by_the_counts():
+    """The commit's call (counts, no outputs) in place: each slot advanced by its own count, as `advance`."""
+    inputs, pool, slots = pool_case(3, 5, 6, seed=4)
+    q, k, v, g, beta = inputs
+    counts = torch.tensor([5, 0, 2])
+    expected = advance(pool[slots], grouped(k, 3), v, g, beta, counts, 5)
+    before = pool.clone()
+    out, final = kernel.fused_recurrent(*inputs, pool, counts, write_outputs=False, slots=slots)
+    assert out is None and final is None
+    close(pool[slots], expected)
+    assert torch.equal(pool[slots[1]], before[slots[1]])  # count 0: the state as it was
+    assert untouched(pool, before, slots)
+
+
+@child_only
+def test_slot_indexing_has_power():
+    """A kernel that read or wrote the wrong rows would fail: with the slots permuted, sequence b's state comes
+    from another row and the rows get other sequences' states; the pool's first B rows are not the slots."""
+    inputs, pool, slots = pool_case(3, 2, 7, seed=5)
+    before = pool.clone()
+    _, expected_final = kernel.fused_recurrent(*inputs, pool[slots].clone())
+    right_out = kernel.fused_recurrent(*inputs, before[slots].clone())[0]
+    slots_ignored = kernel.fused_recurrent(*inputs, before[:3].clone())  # rows 0, 1, 2 instead
+    out, _ = kernel.fused_recurrent(*inputs, pool, slots=slots[[1, 2, 0]])
+    for actual, expected in ((out, right_out), (pool[slots], expected_final), (slots_ignored[0], right_out),
+                             (slots_ignored[1], expected_final)):
+        with pytest.raises(AssertionError):
+            close(actual, expected)
+
+
+@child_only
+def test_padding_sequences_may_share_a_scratch_slot():
+    """Two padding sequences on one scratch slot (as a fixed-shape step lays them) leave the real sequence's
+    result and every other row as they would be alone."""
+    inputs, pool, slots = pool_case(3, 2, 5, seed=6)
+    scratch = 4
+    slots = torch.tensor([1, scratch, scratch])
+    expected_out, expected_final = kernel.fused_recurrent(*inputs, pool[slots].clone())
+    before = pool.clone()
+    out, _ = kernel.fused_recurrent(*inputs, pool, slots=slots)
+    assert torch.equal(out[0], expected_out[0]) and torch.equal(pool[1], expected_final[0])
+    assert untouched(pool, before, slots) and torch.isfinite(pool[scratch]).all()
+
+
 @child_only
 def test_supports_cuda_float32_of_the_kernel_shapes_only():
     case = make_case(2, 3, 2, 3, 24, 40)
@@ -139,6 +223,12 @@ def test_supports_cuda_float32_of_the_kernel_shapes_only():
     assert not kernel.fits(q, k, v, g, beta, state, counts=torch.tensor([1]))
     assert not kernel.fits(*make_case(1, kernel.MAX_TOKENS + 1, 1, 1, 16, 16))
     assert not kernel.fits(*make_case(1, 1, 1, 1, 16, kernel.MAX_HEAD_DIM + 8))
+    pool = torch.zeros(5, *state.shape[1:])
+    assert kernel.fits(*case[:5], pool, slots=torch.tensor([4, 0])) and not kernel.fits(*case[:5], pool)
+    assert not kernel.fits(*case[:5], pool, slots=torch.tensor([4]))
+    strided = torch.zeros(5, state.shape[1], state.shape[3], state.shape[2]).transpose(2, 3)  # not contiguous
+    assert not kernel.fits(*case[:5], strided, slots=torch.tensor([4, 0]))
+    assert not kernel.fits(*case[:5], pool[:, :5], slots=torch.tensor([4, 0]))
 
 
 @pytest.mark.skipif(CHILD or not HAS_TRITON or not torch.cuda.is_available(), reason="needs a CUDA GPU and triton")

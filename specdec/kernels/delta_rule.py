@@ -24,6 +24,18 @@ are never read, so padding may hold anything).  The outputs of such tokens are t
 grid depends only on the shapes (a CUDA graph replays it), T is a compile-time constant (one compilation per
 token count) and nothing waits on the device.
 
+With slots [B] (long, on the device) the state argument is the layer's whole pool [N, H, Dk, Dv] (N slots,
+specdec/models/recurrent_state.py) and sequence b's state is its row slots[b]: read there, and written back
+there in place (unless store is off: a deferred verify step leaves its slots as they were), with no gather
+into a [B, ...] copy before the launch nor scatter after it.  Example, the 27B shapes above with a pool of
+N = 40 slots and slots = [17, 3]: program (1, 7, 2) reads and writes pool[3, 7, :, 64:96], i.e. the elements
+((3 * 48 + 7) * 128 + r) * 128 + c for rows r < 128 and columns 64 <= c < 96, where the [B, ...] form uses
+sequence 1's own row, ((1 * 48 + 7) * 128 + r) * 128 + c.  A program reads its whole tile before it writes
+it and no two programs share a tile of a real sequence, whose slot is its own (engine/state_slots.py).
+The padding sequences of a fixed-shape step may all share the one scratch slot: their programs then race
+on its rows (one may read what another wrote), which is harmless because nothing real ever reads that slot
+or the padding sequences' outputs (the old scatter of copies had the same nondeterminism).
+
 `fused_recurrent` is the entry point; `supports` says whether a call can run here.
 """
 
@@ -61,52 +73,59 @@ def _token(S, t, seq, head, key_head, count, rows, row_ok, cols, col_ok, q_ptr, 
 
 
 @triton.jit
-def _recurrent_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, counts_ptr, out_ptr, final_ptr,
-                      T: tl.constexpr, HK: tl.constexpr, H: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-                      DK_PAD: tl.constexpr, BLOCK_V: tl.constexpr, HAS_COUNTS: tl.constexpr,
-                      WRITE_OUT: tl.constexpr):
-    """One program per (sequence, value head, block of BLOCK_V columns); every tensor contiguous."""
-    seq = tl.program_id(0).to(tl.int64)  # int64: B * H * Dk * Dv may pass 2^31
+def _recurrent_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, counts_ptr, slots_ptr, out_ptr,
+                      final_ptr, T: tl.constexpr, HK: tl.constexpr, H: tl.constexpr, DK: tl.constexpr,
+                      DV: tl.constexpr, DK_PAD: tl.constexpr, BLOCK_V: tl.constexpr, HAS_COUNTS: tl.constexpr,
+                      HAS_SLOTS: tl.constexpr, STORE: tl.constexpr, WRITE_OUT: tl.constexpr):
+    """One program per (sequence, value head, block of BLOCK_V columns); every tensor contiguous.  The state
+    row is the sequence's own (state [B, ...], final [B, ...]) or, with HAS_SLOTS, slots[seq] (state and final
+    both the pool [N, ...]); STORE off writes no final state."""
+    seq = tl.program_id(0).to(tl.int64)  # int64: N * H * Dk * Dv may pass 2^31
+    state_row = tl.load(slots_ptr + seq).to(tl.int64) if HAS_SLOTS else seq
     head = tl.program_id(1)
     key_head = head // (H // HK)
     rows = tl.arange(0, DK_PAD)
     row_ok = rows < DK
     cols = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
     col_ok = cols < DV
-    tile = (seq * H + head) * DK * DV + rows[:, None] * DV + cols[None, :]  # [DK_PAD, BLOCK_V] offsets
+    tile = (state_row * H + head) * DK * DV + rows[:, None] * DV + cols[None, :]  # [DK_PAD, BLOCK_V] offsets
     tile_ok = row_ok[:, None] & col_ok[None, :]
     S = tl.load(state_ptr + tile, mask=tile_ok, other=0.0)
     count = tl.load(counts_ptr + seq) if HAS_COUNTS else T
     for t in range(T):
         S = _token(S, t, seq, head, key_head, count, rows, row_ok, cols, col_ok, q_ptr, k_ptr, v_ptr, g_ptr,
                    beta_ptr, out_ptr, T, HK, H, DK, DV, WRITE_OUT)
-    tl.store(final_ptr + tile, S, mask=tile_ok)
+    if STORE:
+        tl.store(final_ptr + tile, S, mask=tile_ok)
 
 
 INTERPRETED = not isinstance(_recurrent_kernel, triton.runtime.JITFunction)  # decorated under TRITON_INTERPRET=1
 
 
 def fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-         state: torch.Tensor, counts: torch.Tensor | None = None) -> bool:
+         state: torch.Tensor, counts: torch.Tensor | None = None, slots: torch.Tensor | None = None) -> bool:
     """Whether the shapes are the kernel's: q, k [B, T, Hk, Dk], v [B, T, H, Dv], g, beta [B, T, H],
-    state [B, H, Dk, Dv], counts [B], with H a multiple of Hk, 1 <= T <= MAX_TOKENS, Dk, Dv <= MAX_HEAD_DIM."""
-    if q.dim() != 4 or v.dim() != 4:
+    state [B, H, Dk, Dv] (with slots [B]: the pool [N, H, Dk, Dv], contiguous as it is written in place),
+    counts [B], with H a multiple of Hk, 1 <= T <= MAX_TOKENS, Dk, Dv <= MAX_HEAD_DIM."""
+    if q.dim() != 4 or v.dim() != 4 or state.dim() != 4:
         return False
     batch, tokens, key_heads, dk = q.shape
     heads, dv = v.shape[2], v.shape[3]
+    state_ok = state.shape == (batch, heads, dk, dv) if slots is None else \
+        state.shape[1:] == (heads, dk, dv) and slots.shape == (batch,) and state.is_contiguous()
     return (k.shape == q.shape and v.shape[:2] == (batch, tokens) and g.shape == beta.shape == (batch, tokens, heads)
-            and state.shape == (batch, heads, dk, dv) and (counts is None or counts.shape == (batch,))
+            and state_ok and (counts is None or counts.shape == (batch,))
             and heads % key_heads == 0 and 1 <= tokens <= MAX_TOKENS and dk <= MAX_HEAD_DIM and dv <= MAX_HEAD_DIM)
 
 
 def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-             state: torch.Tensor, counts: torch.Tensor | None = None) -> bool:
-    """Whether `fused_recurrent` handles this call: CUDA tensors, float32 (counts integer), shapes that `fits`.
-    The caller falls back to specdec.models.delta_rule otherwise."""
+             state: torch.Tensor, counts: torch.Tensor | None = None, slots: torch.Tensor | None = None) -> bool:
+    """Whether `fused_recurrent` handles this call: CUDA tensors, float32 (counts, slots integer), shapes that
+    `fits`.  The caller falls back to specdec.models.delta_rule otherwise."""
     floats = (q, k, v, g, beta, state)
-    on_gpu = all(t.is_cuda for t in floats) and (counts is None or counts.is_cuda)
-    return (on_gpu and all(t.dtype == torch.float32 for t in floats)
-            and (counts is None or not counts.is_floating_point()) and fits(q, k, v, g, beta, state, counts))
+    indices = tuple(t for t in (counts, slots) if t is not None)
+    return (all(t.is_cuda for t in floats + indices) and all(t.dtype == torch.float32 for t in floats)
+            and not any(t.is_floating_point() for t in indices) and fits(q, k, v, g, beta, state, counts, slots))
 
 
 def launch_config(dk: int, dv: int, block_v: int | None = None) -> tuple[int, int, int]:
@@ -119,22 +138,32 @@ def launch_config(dk: int, dv: int, block_v: int | None = None) -> tuple[int, in
 
 def fused_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                     state: torch.Tensor, counts: torch.Tensor | None = None, write_outputs: bool = True,
-                    block_v: int | None = None, num_warps: int | None = None
-                    ) -> tuple[torch.Tensor | None, torch.Tensor]:
+                    slots: torch.Tensor | None = None, store: bool = True, block_v: int | None = None,
+                    num_warps: int | None = None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """q, k [B, T, Hk, Dk]; v [B, T, H, Dv]; g, beta [B, T, H]; state [B, H, Dk, Dv] (all float32, left
     unchanged) -> (out [B, T, H, Dv] or None without write_outputs, final state [B, H, Dk, Dv]).
 
     Equals delta_rule.recurrent(q.repeat_interleave(R, 2), k.repeat_interleave(R, 2), v, g, beta, state),
     R = H // Hk.  counts [B] (integer, on the device): the final state is delta_rule.advance's, sequence b
-    taking only its first counts[b] tokens.  block_v / num_warps override launch_config (benchmarks)."""
+    taking only its first counts[b] tokens.  slots [B] (integer, on the device): state is the pool
+    [N, H, Dk, Dv] (contiguous), sequence b's state its row slots[b], and the final states are written over
+    those rows in place (store) or nowhere (not store: the pool is left as it was); the second result is
+    then None.  block_v / num_warps override launch_config (benchmarks)."""
     batch, tokens, key_heads, dk = q.shape
     heads, dv = v.shape[2], v.shape[3]
     dk_pad, block_v, warps = launch_config(dk, dv, block_v)
-    q, k, v, g, beta, state = (t.contiguous() for t in (q, k, v, g, beta, state))
+    q, k, v, g, beta = (t.contiguous() for t in (q, k, v, g, beta))
+    if slots is None:
+        state = state.contiguous()
+        final = torch.empty_like(state)
+    elif state.is_contiguous():
+        final = state  # the pool: its slots' rows rewritten in place (or, without store, not at all)
+    else:
+        raise ValueError("the state pool must be contiguous: the kernel writes its rows in place")
     out = v.new_empty(v.shape) if write_outputs else None
-    final = torch.empty_like(state)
     _recurrent_kernel[(batch, heads, triton.cdiv(dv, block_v))](
-        q, k, v, g, beta, state, state if counts is None else counts, v if out is None else out, final,
-        T=tokens, HK=key_heads, H=heads, DK=dk, DV=dv, DK_PAD=dk_pad, BLOCK_V=block_v,
-        HAS_COUNTS=counts is not None, WRITE_OUT=write_outputs, num_warps=num_warps or warps)
-    return out, final
+        q, k, v, g, beta, state, state if counts is None else counts, state if slots is None else slots,
+        v if out is None else out, final, T=tokens, HK=key_heads, H=heads, DK=dk, DV=dv, DK_PAD=dk_pad,
+        BLOCK_V=block_v, HAS_COUNTS=counts is not None, HAS_SLOTS=slots is not None,
+        STORE=slots is None or store, WRITE_OUT=write_outputs, num_warps=num_warps or warps)
+    return out, (final if slots is None else None)
