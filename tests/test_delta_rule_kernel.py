@@ -8,11 +8,18 @@ in the test run itself.  Shapes are small: the interpreter runs every program, t
 
 from __future__ import annotations
 
+import itertools
+import types
 
 import pytest
 import torch
 
+from specdec.models import delta_rule as model_delta_rule
+from specdec.models.attention import AttentionBatch
+from specdec.models.config import ModelConfig
 from specdec.models.delta_rule import advance, l2_normalize, recurrent
+from specdec.models.gated_deltanet import GatedDeltaNet, plan_groups, uniform_group
+from specdec.models.recurrent_state import StateBatch, commit, commit_on_device, new_state_pools
 from tests.interpreter import CHILD, HAS_TRITON, child_only, kernel_module, parent_only, run_child
 
 kernel = kernel_module("specdec.kernels.delta_rule")  # None outside the child
@@ -21,7 +28,7 @@ kernel = kernel_module("specdec.kernels.delta_rule")  # None outside the child
 @parent_only
 def test_kernel_cases_under_the_interpreter():
     """This file's kernel cases, in a child process started with TRITON_INTERPRET=1."""
-    run_child(__file__, min_passed=27, parent_tests=2)
+    run_child(__file__, min_passed=28, parent_tests=2)
 
 
 def make_case(batch, tokens, key_heads, repeat, dk, dv, seed=0):
@@ -210,6 +217,86 @@ def test_padding_sequences_may_share_a_scratch_slot():
     out, _ = kernel.fused_recurrent(*inputs, pool, slots=slots)
     assert torch.equal(out[0], expected_out[0]) and torch.equal(pool[1], expected_final[0])
     assert untouched(pool, before, slots) and torch.isfinite(pool[scratch]).all()
+
+
+HYBRID = dict(architectures=["Qwen3_5ForCausalLM"], vocab_size=300, hidden_size=32, intermediate_size=64,
+              num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+              layer_types=["linear_attention", "full_attention"], linear_conv_kernel_dim=4, linear_key_head_dim=16,
+              linear_value_head_dim=24, linear_num_key_heads=2, linear_num_value_heads=6, rms_norm_eps=1e-6)
+SCRATCH = 5  # the padded step's scratch slot (engine/state_slots.py), shared by its padding sequences
+
+
+def ragged_step(pools, counts, slots, defer):
+    """(groups, StateBatch) of a ragged step: sequence i feeds counts[i] tokens from slot slots[i]."""
+    starts = [0, *itertools.accumulate(counts)]
+    batch = AttentionBatch(torch.tensor(starts), torch.tensor(counts), torch.zeros(len(counts), 1, dtype=torch.long),
+                           torch.zeros(starts[-1], dtype=torch.long), max(counts), max(counts),
+                           host_lens=(list(counts), list(counts)))
+    batch.states = StateBatch(*pools, slots=slots, defer=defer)
+    return plan_groups(batch), batch.states
+
+
+def layer_steps(layer, pools):
+    """A Gated DeltaNet layer's steps over pools (conv, ssm), each compared by the caller: the layer's outputs
+    after each step, and a copy of the pools after it and after each commit."""
+    gen = torch.Generator().manual_seed(7)
+    seen = []
+
+    def run(groups, states, rows):
+        with torch.no_grad():
+            seen.append(layer(torch.randn(rows, layer.in_proj_qkv.in_features, generator=gen), groups, states))
+        seen.append([t.clone() for t in pools[0] + pools[1]])
+
+    run(*ragged_step(pools, [1, 3, 1], [1, 3, 2], [False] * 3), 5)  # groups n 1 (two sequences) and n 3
+    run(*ragged_step(pools, [2, 2], [3, 1], [False] * 2), 4)  # one group in order
+    groups, verify = ragged_step(pools, [4, 4, 4], [3, 1, 2], [True] * 3)  # all deferred: pools untouched
+    run(groups, verify, 12)
+    commit(verify, [2, 0, 4])
+    seen.append([t.clone() for t in pools[0] + pools[1]])
+    padded = StateBatch(*pools, slots=torch.tensor([1, SCRATCH, SCRATCH]), defer=[True] * 3)
+    run([uniform_group(3, padded)], padded, 9)  # a fixed-shape verify step, two padding sequences
+    commit_on_device(padded, torch.tensor([3, 0, 0]))
+    seen.append([t.clone() for t in pools[0] + pools[1]])
+    groups, mixed = ragged_step(pools, [2, 2], [2, 3], [True, False])  # only some deferred: gather / scatter
+    run(groups, mixed, 4)
+    commit(mixed, [1, 0])
+    seen.append([t.clone() for t in pools[0] + pools[1]])
+    return seen
+
+
+@child_only
+def test_the_layer_and_its_commits_through_the_kernel_equal_the_pytorch_form(monkeypatch):
+    """gated_deltanet and recurrent_state with the kernel forced on the CPU (slot-indexed, in place) give the
+    PyTorch form's outputs and pools at every step: ragged and in-order decode / verify groups, a deferred verify
+    (its pools untouched) and its commit, a padded step whose padding shares the scratch slot and its
+    commit_on_device, a group with only some sequences deferred.  The scratch slot's rows are not compared."""
+    config = ModelConfig.from_dict(HYBRID)
+    torch.manual_seed(0)
+    layer = GatedDeltaNet(config, state_index=0)
+    plain = layer_steps(layer, new_state_pools(config, 6, "cpu", torch.float32))
+    calls = []
+
+    def counted(*args, **kwargs):
+        calls.append(kwargs.get("slots") is not None)
+        return kernel.fused_recurrent(*args, **kwargs)
+
+    forced = types.SimpleNamespace(supports=kernel.fits, fused_recurrent=counted)  # the interpreter runs CPU tensors
+    monkeypatch.setattr(model_delta_rule, "_kernel_for", lambda state: forced)
+    fused = layer_steps(layer, new_state_pools(config, 6, "cpu", torch.float32))
+    assert calls.count(True) >= 8 and calls.count(False) >= 1  # in place; the mixed group's gathered states
+    real = torch.arange(6) != SCRATCH
+    for got, want in zip(fused, plain):
+        if isinstance(got, list):
+            for a, b in zip(got, want):
+                close(a[real], b[real])
+        else:
+            close(got, want)
+    for seen in (plain, fused):  # each copy of the pools: [conv, ssm]
+        before_verify, after_verify, after_commit, after_padded, device_commit = (seen[i] for i in (3, 5, 6, 8, 9))
+        assert all(map(torch.equal, after_verify, before_verify))  # deferred: untouched
+        assert all(map(torch.equal, after_padded, after_commit))  # the scratch slot too
+        assert not torch.equal(after_commit[1], after_verify[1])  # the commit moved the ssm rows
+        assert not torch.equal(device_commit[1][1], after_padded[1][1])  # and commit_on_device slot 1's
 
 
 @child_only

@@ -157,6 +157,7 @@ def fused_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
         state = state.contiguous()
         final = torch.empty_like(state)
     elif state.is_contiguous():
+        slots = slots.contiguous()
         final = state  # the pool: its slots' rows rewritten in place (or, without store, not at all)
     else:
         raise ValueError("the state pool must be contiguous: the kernel writes its rows in place")

@@ -46,19 +46,44 @@ def recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor
 
 
 def recurrent_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                    state: torch.Tensor, counts: torch.Tensor | None = None, steps: int | None = None
-                    ) -> tuple[torch.Tensor | None, torch.Tensor]:
+                    state: torch.Tensor, counts: torch.Tensor | None = None, steps: int | None = None,
+                    slots: torch.Tensor | None = None, store: bool = True
+                    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """`recurrent` with q, k per key head ([B, T, Hk, Dk]; value head h reads key head h // (H / Hk)): on a GPU
     one Triton launch (specdec/kernels/delta_rule.py), else the PyTorch form over repeated heads.  With counts
-    [B] (and steps = max(counts) on the host, or T) it is `advance` instead: (None, the state)."""
-    kernel = _fused_kernel() if state.is_cuda else None
-    if kernel is not None and kernel.supports(q, k, v, g, beta, state, counts):
-        return kernel.fused_recurrent(q, k, v, g, beta, state, counts, write_outputs=counts is None)
+    [B] (and steps = max(counts) on the host, or T) it is `advance` instead: (None, the state).
+
+    With slots [B] (long, on the state's device) state is the layer's pool [N, H, Dk, Dv]: sequence b starts
+    from row slots[b], whose final state is written back there (store) or dropped (not store: the pool is left
+    as it was), and the second result is None.  The kernel reads and writes the rows in place; the PyTorch
+    form gathers them and scatters the results."""
+    kernel = _kernel_for(state)
+    if kernel is not None and kernel.supports(q, k, v, g, beta, state, counts, slots):
+        return kernel.fused_recurrent(q, k, v, g, beta, state, counts, write_outputs=counts is None, slots=slots,
+                                      store=store)
+    if slots is None:
+        return _torch_heads(q, k, v, g, beta, state, counts, steps)
+    out, final = _torch_heads(q, k, v, g, beta, state[slots], counts, steps)
+    if store:
+        state[slots] = final
+    return out, None
+
+
+def _torch_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                 state: torch.Tensor, counts: torch.Tensor | None, steps: int | None
+                 ) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """recurrent_heads' PyTorch form: state [B, H, Dk, Dv], the key heads repeated to the value heads."""
     repeat = v.shape[2] // k.shape[2]
     k = k.repeat_interleave(repeat, dim=2)
     if counts is not None:
         return None, advance(state, k, v, g, beta, counts, v.shape[1] if steps is None else steps)
     return recurrent(q.repeat_interleave(repeat, dim=2), k, v, g, beta, state)
+
+
+def _kernel_for(state: torch.Tensor):
+    """The kernel module for a call on state's device: specdec.kernels.delta_rule on a GPU, else None (the
+    interpreter tests replace this to run the kernel on the CPU)."""
+    return _fused_kernel() if state.is_cuda else None
 
 
 _kernel_module = None  # specdec.kernels.delta_rule once imported; False where triton is missing

@@ -2,8 +2,10 @@
 
 A layer projects all T rows of the step at once, then runs its recurrence per group of sequences that
 feed the same number of tokens (`plan_groups`, built once per step and shared by every linear layer):
-each group's states are read from the pools in one gather, advanced together, and written back in one
-scatter (deferred sequences excepted: see specdec/models/recurrent_state.py).  A padded fixed-shape step
+each group's states are advanced together and written back to their slots (deferred sequences excepted: see
+specdec/models/recurrent_state.py).  The token-by-token form reads and writes the ssm pool's rows in place
+(`recurrent_heads` with slots: no gather or scatter of the states where the kernel runs); the chunked form
+and the conv state take a gather and a scatter.  A padded fixed-shape step
 (engine/static_hybrid.py) is one group, built without reading anything back from the device.  Groups of at
 most RECURRENT_MAX_TOKENS tokens per sequence (decode, verify) take the token-by-token form (one Triton launch
 on a GPU), longer ones (prefill) the chunked form (specdec/models/delta_rule.py).
@@ -181,7 +183,10 @@ class GatedDeltaNet(nn.Module):
         q, k, beta, g = Kernels.delta_rule_gates(q, k, group.take(b), group.take(a), self.A_log, self.dt_bias,
                                                  self.k_dim**-0.5)  # float32 [m, n, Hk, Dk] x 2, [m, n, Hv] x 2
         v = v.reshape(m, n, self.num_v_heads, self.v_dim)  # [m, n, Hv, Dv], x's dtype
-        if group.recurrent:
+        if group.recurrent and group.kept is None:  # the slots' rows advanced (or, deferred, read) in place
+            out, final = recurrent_heads(q, k, v.float(), g, beta, ssm_pool, slots=group.slots,
+                                         store=not group.deferred)  # final None: nothing left to scatter
+        elif group.recurrent:  # only some deferred: one launch stores all its rows or none, so gather / scatter
             out, final = recurrent_heads(q, k, v.float(), g, beta, ssm_pool[group.slots])
         else:
             repeat = self.num_v_heads // self.num_k_heads  # value heads per key head
@@ -190,15 +195,17 @@ class GatedDeltaNet(nn.Module):
         self._store(group, states, window, final, (k, v, g, beta))
         return out.to(mixed.dtype)
 
-    def _store(self, group: SequenceGroup, states: StateBatch, window: torch.Tensor, final: torch.Tensor,
+    def _store(self, group: SequenceGroup, states: StateBatch, window: torch.Tensor, final: torch.Tensor | None,
                kvgb: tuple[torch.Tensor, ...]) -> None:
-        """Write the advanced states of the group's non-deferred sequences to their slots; record the rest."""
+        """Write the advanced states of the group's non-deferred sequences to their slots; record the rest.
+        final [m, Hv, Dk, Dv], or None where the delta rule already wrote (or left) the ssm rows in place."""
         conv_pool, ssm_pool = states.conv[self.state_index], states.ssm[self.state_index]
         width = conv_pool.shape[-1]
         new_conv = window[..., window.shape[-1] - width:]  # the last K-1 inputs
         if not group.deferred:
             conv_pool[group.slots] = new_conv.to(conv_pool.dtype)
-            ssm_pool[group.slots] = final
+            if final is not None:
+                ssm_pool[group.slots] = final
             return
         d = group.deferred_index  # None: every sequence of the group is deferred
         if d is not None:

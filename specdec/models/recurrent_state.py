@@ -120,9 +120,8 @@ def commit_on_device(states: StateBatch, counts: torch.Tensor) -> None:
 def _commit_record(conv: torch.Tensor, ssm: torch.Tensor, record: Deferred, counts: torch.Tensor,
                    steps: int) -> None:
     """Advance record's slots by counts [m] (device) of their fed tokens; steps = max(counts) on the host."""
-    slots = record.slots
-    ssm[slots] = recurrent_heads(record.k, record.k, record.v.float(), record.g, record.beta, ssm[slots], counts,
-                                 steps)[1]  # (the queries are unused: no outputs)
+    slots = record.slots  # the ssm rows advanced in place (the queries are unused: no outputs)
+    recurrent_heads(record.k, record.k, record.v.float(), record.g, record.beta, ssm, counts, steps, slots=slots)
     conv[slots] = conv_state_after(record.window, counts, conv.shape[-1]).to(conv.dtype)
 
 
