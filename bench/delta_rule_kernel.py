@@ -11,6 +11,12 @@ after warm-up (the timing helpers of bench/attention_kernel.py); the kernel also
 alone, B * H * Dk * Dv * 4 read + the same written (q, k, v, g, beta and the outputs are a few percent more at
 T <= 4), next to a large copy's for the ceiling.  The JSON (--out) is rewritten after every shape.
 
+The pool paths time the step as the layer runs it on its state pool [B + 2, H, Dk, Dv] (slots in random
+order): `gathered` gathers the slots' rows, runs the kernel and scatters the finals back (the layer before
+the slot-indexed mode), `in_place` runs the kernel on the pool through the slots; `*_deferred` is a deferred
+verify step (no store: the gather + kernel against the in-place read).  pool_speedup is gathered / in_place
+(graph times), pool_max_abs_diff the largest difference of their outputs and pools.
+
 GPU:  python3 bench/delta_rule_kernel.py --out $OUT/delta-rule-kernel-h100.json
 CPU dry run (Triton's interpreter, tiny shapes):
       python3 bench/delta_rule_kernel.py --device cpu --batches 1 --tokens 1,2 --heads 1,2,16,16 --repeats 1 \
@@ -39,7 +45,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="bench/results/delta-rule-kernel-h100.json")
     parser.add_argument("--device", default="cuda")
-    parser.add_argument("--batches", default="1,8,32")
+    parser.add_argument("--batches", default="1,8,16,32")
     parser.add_argument("--tokens", default="1,2,4", help="tokens per sequence (1 decode, k + 1 verify)")
     parser.add_argument("--heads", default="16,48,128,128", help="key heads, value heads, Dk, Dv")
     parser.add_argument("--block-v", default="32", help="state columns per program, one timing each")
@@ -63,6 +69,30 @@ def state_gbs(row: dict, state_bytes: int) -> float | None:
     """GB/s of the state read + written in a path's device time (graph replay; the eager call without one)."""
     ms = row.get("graph_ms") or row["ms"]
     return 2 * state_bytes / (ms * 1e-3) / 1e9
+
+
+def pool_paths(inputs, kernel, block_v: int) -> tuple[dict, float]:
+    """({name: call} of the gathered and in-place steps on a pool of B + 2 random states, their largest
+    difference): q, k, v, g, beta as inputs, the slots a random choice of B distinct pool rows."""
+    q, k, v, g, beta, state = inputs
+    batch = state.shape[0]
+    pool = torch.randn(batch + 2, *state.shape[1:], device=state.device)  # [N, H, Dk, Dv]
+    slots = torch.randperm(batch + 2, device=state.device)[:batch]
+
+    def gathered(target=pool, store=True):
+        out, final = kernel.fused_recurrent(q, k, v, g, beta, target[slots], block_v=block_v)
+        if store:
+            target[slots] = final
+        return out
+
+    def in_place(target=pool, store=True):
+        return kernel.fused_recurrent(q, k, v, g, beta, target, slots=slots, store=store, block_v=block_v)[0]
+
+    pools = pool.clone(), pool.clone()
+    diff = max((gathered(pools[0]) - in_place(pools[1])).abs().max().item(), (pools[0] - pools[1]).abs().max().item())
+    paths = {"gathered": gathered, "in_place": in_place, "gathered_deferred": lambda: gathered(store=False),
+             "in_place_deferred": lambda: in_place(store=False)}
+    return paths, diff
 
 
 def one_shape(batch, tokens, key_heads, heads, dk, dv, kernel, device, args) -> dict:
@@ -91,6 +121,14 @@ def one_shape(batch, tokens, key_heads, heads, dk, dv, kernel, device, args) -> 
     row["best"] = fastest[1]
     row["speedup_graph"] = (row["torch"].get("graph_ms") or row["torch"]["ms"]) / fastest[0]
     row["speedup_eager"] = row["torch"]["ms"] / row[fastest[1]]["ms"]
+    pooled, row["pool_max_abs_diff"] = pool_paths(inputs, kernel, ints(args.block_v)[0])
+    for name, fn in pooled.items():
+        row[name] = measure(fn, device, args)
+        row[name]["state_gbs"] = state_gbs(row[name], state_bytes)
+    for suffix in ("", "_deferred"):
+        gathered, in_place = row[f"gathered{suffix}"], row[f"in_place{suffix}"]
+        row[f"pool_speedup{suffix}"] = (gathered.get("graph_ms") or gathered["ms"]) / \
+            (in_place.get("graph_ms") or in_place["ms"])
     return row
 
 
@@ -102,6 +140,8 @@ def table_line(row: dict) -> str:
             ms = value.get("graph_ms") or value["ms"]
             cells.append(f"{name} {ms * 1e3:8.1f} us {value['state_gbs']:7.1f} GB/s")
     cells.append(f"x{row['speedup_graph']:.1f} (eager x{row['speedup_eager']:.1f}) diff {row['max_abs_diff']:.1e}")
+    cells.append(f"in place x{row['pool_speedup']:.2f} (deferred x{row['pool_speedup_deferred']:.2f}) "
+                 f"diff {row['pool_max_abs_diff']:.1e}")
     return " | ".join(cells)
 
 
