@@ -149,7 +149,7 @@ def pool_case(batch, tokens, num_slots, seed):
 
 def untouched(pool, before, slots):
     """Whether the rows of pool [N, ...] outside slots are bit-identical to before's."""
-    others = torch.ones(pool.shape[0], dtype=torch.bool)
+    others = torch.ones(pool.shape[0], dtype=torch.bool, device=pool.device)
     others[slots] = False
     return torch.equal(pool[others], before[others])
 
@@ -321,7 +321,8 @@ def test_supports_cuda_float32_of_the_kernel_shapes_only():
 @pytest.mark.skipif(CHILD or not HAS_TRITON or not torch.cuda.is_available(), reason="needs a CUDA GPU and triton")
 def test_compiled_kernel_on_the_gpu():
     """The compiled kernel (not the interpreter) at the test shapes and the layer's: Qwen3.5-27B at B 512, T 4;
-    Dk = Dv = 256 at T 64; head dims 100 and 200.  Outputs, final states and counted states."""
+    Dk = Dv = 256 at T 64; head dims 100 and 200.  Outputs, final states and counted states; the slot-indexed
+    mode on a pool of B + 2 states, the slots B + 1 down to 2 (reversed and shifted)."""
     from specdec.kernels import delta_rule as compiled
 
     for shape in SHAPES + [(512, 4, 16, 3, 128, 128), (4, 64, 2, 2, 256, 256), (3, 3, 1, 1, 100, 200)]:
@@ -334,3 +335,14 @@ def test_compiled_kernel_on_the_gpu():
         close(final, expected_final)
         counted = compiled.fused_recurrent(q, k, v, g, beta, state, counts, write_outputs=False)[1]
         close(counted, advance(state, grouped(k, v.shape[2]), v, g, beta, counts, shape[1]))
+        pool = torch.randn(shape[0] + 2, *state.shape[1:], device="cuda")
+        slots = torch.arange(shape[0] + 1, 1, -1, device="cuda")
+        before = pool.clone()
+        assert compiled.supports(q, k, v, g, beta, pool, counts, slots)
+        expected_out = compiled.fused_recurrent(q, k, v, g, beta, pool[slots].clone())[0]
+        out = compiled.fused_recurrent(q, k, v, g, beta, pool, slots=slots, store=False)[0]
+        close(out, expected_out)
+        assert torch.equal(pool, before)
+        compiled.fused_recurrent(q, k, v, g, beta, pool, counts, write_outputs=False, slots=slots)
+        close(pool[slots], advance(before[slots], grouped(k, v.shape[2]), v, g, beta, counts, shape[1]))
+        assert untouched(pool, before, slots)
