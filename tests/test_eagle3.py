@@ -143,7 +143,7 @@ def test_the_head_reads_the_verify_forward_and_adds_no_target_forward(qwen3_dir,
     llm = eagle_llm(qwen3_dir, head_dir, 4)
     target_forwards = []
     forward = llm.engine.runner.forward
-    llm.engine.runner.forward = lambda seqs, *a: target_forwards.append(1) or forward(seqs, *a)
+    llm.engine.runner.forward = lambda seqs, *a, **kw: target_forwards.append(1) or forward(seqs, *a, **kw)
     req = llm.engine.add_request(mixed_prompts(1)[0], SamplingParams(max_tokens=20, temperature=0,
                                                                        ignore_eos=True))
     steps = 0

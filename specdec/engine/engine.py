@@ -253,9 +253,11 @@ class Engine:
         for req in finished:
             self._on_finished(req)
         if not seqs:
+            if self.speculator is not None:
+                self.speculator.read_drafts()  # no step to feed them to
             return finished
         starts = [s.request.num_computed for s in seqs]
-        logits = self.runner.forward(seqs)  # per seq [1 + drafts, V] or empty
+        logits = self._forward(seqs)  # per seq [1 + drafts, V] or empty
         verdicts = sample_tokens(seqs, logits)
         if self.states is not None:  # a verified sequence's state advances by exactly the tokens it kept
             self.states.commit([s.num_new - s.num_drafts + len(v.tokens) - 1 for s, v in zip(seqs, verdicts)])
@@ -280,6 +282,21 @@ class Engine:
                 k=self.speculation.last_k if self.speculation is not None else 0, eager=eager, seconds=seconds))
         return finished
 
+    def _forward(self, seqs: list[ScheduledSeq]) -> list[torch.Tensor]:
+        """The target's forward of the step.  Drafts a speculator left on the device (engine/device_drafts.py)
+        are fed from there where the fixed-shape runner takes the step, and read by the host only once the
+        forward is queued behind them, so the device never waits for the host's staging; elsewhere the host
+        reads them first."""
+        speculator = self.speculator
+        drafts = speculator.device_drafts if speculator is not None else None
+        if drafts is not None and not self.runner.takes_device_drafts(seqs):
+            speculator.read_drafts()
+            drafts = None
+        logits = self.runner.forward(seqs, drafts=drafts)
+        if drafts is not None:
+            speculator.read_drafts()
+        return logits
+
     def set_speculator(self, speculator, controller) -> None:
         """Speculate from now on with this speculator, k chosen by this controller (speculate/build.py).  A
         speculator that reads the target's hidden states has the target capture them from here on."""
@@ -287,6 +304,7 @@ class Engine:
 
         self.speculation = Speculation(speculator, controller, self.max_model_len,
                                        self.config.max_num_batched_tokens)
+        speculator.defer_reads = self.runner.static is not None  # its steps can feed drafts from the device
         if speculator.tree_nodes(2) > 2:  # it drafts trees
             if self.states is not None:
                 raise ConfigError("draft trees do not run on hybrid models (Qwen3.5): their linear layers read the "

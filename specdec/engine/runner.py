@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from specdec.draft_tree import ancestor_mask, depths
+from specdec.engine.device_drafts import DeviceDrafts
 from specdec.engine.kv_cache import KVCache, slot_of
 from specdec.engine.scheduler import ScheduledSeq
 from specdec.models.attention import AttentionBatch
@@ -32,8 +33,13 @@ class ModelRunner:
         row = self.feature_rows[seq_index]
         return self.model.features[row:row + count]
 
+    def takes_device_drafts(self, seqs: list[ScheduledSeq]) -> bool:
+        """Whether forward(seqs) can feed drafts still on the device (the fixed-shape runner's steps)."""
+        return self.static is not None and self.static.can_run(seqs)
+
     @torch.inference_mode()
-    def forward(self, seqs: list[ScheduledSeq], fed_ids: torch.Tensor | None = None) -> list[torch.Tensor]:
+    def forward(self, seqs: list[ScheduledSeq], fed_ids: torch.Tensor | None = None,
+                drafts: DeviceDrafts | None = None) -> list[torch.Tensor]:
         """Logits [1 + num_drafts, V] for each sequence that samples this step, else an empty tensor.
 
         For a sampling sequence the rows are the target's predictions after its last committed token
@@ -41,14 +47,17 @@ class ModelRunner:
 
         fed_ids [len(seqs)] (a device tensor), for steps where every sequence feeds one token: the tokens to
         feed, in place of the request's stored ones (a drafter's chain feeds back the draft it just drew
-        without waiting for the host to read it).
+        without waiting for the host to read it).  drafts: the drafts still on the device, whose placeholders
+        the requests hold (engine/device_drafts.py); only where takes_device_drafts(seqs).
         """
         if fed_ids is not None and any(s.num_new != 1 for s in seqs):
             raise ValueError("fed_ids needs every sequence to feed exactly one token")
-        if self.static is not None and self.static.can_run(seqs):
-            logits = self.static.run(seqs, fed_ids)
+        if self.takes_device_drafts(seqs):
+            logits = self.static.run(seqs, fed_ids, drafts)
             self.feature_rows = self.static.row_starts
             return logits
+        if drafts is not None:
+            raise ValueError("drafts on the device need a step the fixed-shape runner takes: read them first")
         self.eager_forwards += 1
         ids, positions, slots, starts, ctx, logits_rows, counts = [], [], [], [0], [], [], []
         for seq in seqs:

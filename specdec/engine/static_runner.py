@@ -30,11 +30,13 @@ import bisect
 import numpy as np
 import torch
 
+from specdec.engine.device_drafts import DeviceDrafts, draft_positions
 from specdec.engine.kv_cache import KVCache
 from specdec.engine.runner import fed_offsets, tree_mask_rows
 from specdec.engine.scheduler import ScheduledSeq
 from specdec.models.attention import AttentionBatch
 from specdec.models.transformer import CausalLM
+from specdec.transfer import upload
 
 
 STAGING_RING = 8  # host staging buffers a runner's consecutive steps take in turn
@@ -153,14 +155,19 @@ class StaticRunner:
         return batch <= self.max_batch and q <= self.max_q and context <= self.max_context
 
     @torch.inference_mode()
-    def run(self, seqs: list[ScheduledSeq], fed_ids: torch.Tensor | None = None) -> list[torch.Tensor]:
+    def run(self, seqs: list[ScheduledSeq], fed_ids: torch.Tensor | None = None,
+            drafts: DeviceDrafts | None = None) -> list[torch.Tensor]:
         """Logits [q, V] per sequence (rows as in ModelRunner.forward); on a GPU they are views of the shared
-        buffer, valid until this runner's next step.  fed_ids: see ModelRunner.forward (then q is 1)."""
+        buffer, valid until this runner's next step.  fed_ids, drafts: see ModelRunner.forward (with fed_ids,
+        q is 1).  Either is copied over the staged ids on the device, after the upload."""
         batch, q, context = self.shape_of(seqs)
         self._fill(seqs, q, batch, context)
-        if fed_ids is not None:  # one token per sequence: row i is sequence i; a device copy after the upload
-            ids = _input_views(self.inputs, batch, q, self._columns(context))[0]
+        ids = _input_views(self.inputs, batch, q, self._columns(context))[0]  # [batch * q]
+        if fed_ids is not None:  # one token per sequence: row i is sequence i
             ids[:len(seqs)].copy_(fed_ids)
+        if drafts is not None:
+            step_rows, token_rows, token_cols = upload(draft_positions(seqs, drafts.rows, q), self.device)
+            ids[step_rows] = drafts.tokens[token_rows, token_cols]
         logits = self._forward(batch, q, context)  # [batch * q, V]
         self.row_starts = [i * q for i in range(len(seqs))]  # sequence i's rows: i * q ..
         # the rows the sampler reads: after the last fed token and after each draft (see ModelRunner.forward);

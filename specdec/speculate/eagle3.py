@@ -37,6 +37,7 @@ from __future__ import annotations
 import torch
 
 from specdec.draft_tree import spine_and_siblings
+from specdec.engine.device_drafts import PLACEHOLDER, DeviceDrafts
 from specdec.engine.kv_cache import BlockManager, KVCache, slot_of
 from specdec.engine.request import Request
 from specdec.engine.runner import flat_attention_batch
@@ -91,6 +92,7 @@ class Eagle3Speculator(Speculator):
                                             max_context=max_context, capture=cuda_graphs,
                                             target_ids=self.target_ids, pool=self.graphs.pool)
         self.step_by_step = False  # True: chains take the step-by-step path even where a chain graph fits
+        self._unread: list[list[int]] = []  # the placeholder lists of device_drafts' rows
         self.runner = HeadCostRunner(self)
         self.stats = {"draft_forwards": 0, "head_tokens_observed": 0, "skipped_no_blocks": 0,
                       "head_eager_forwards": 0}  # forwards that did not fit the padded buckets
@@ -130,6 +132,7 @@ class Eagle3Speculator(Speculator):
 
     @torch.inference_mode()
     def propose(self, requests: list[Request], ks: list[int]) -> None:
+        self.read_drafts()  # (the engine has read them already: this only guards against a stale chain)
         active = []
         for req, k in zip(requests, ks):
             req.clear_drafts()
@@ -189,9 +192,24 @@ class Eagle3Speculator(Speculator):
         tokens, q = self.chain_graphs.run_chain(active, shape, states, logits,
                                                 None if uniforms is None else uniforms[:, :, 0])
         self.stats["draft_forwards"] += active[0][1] - 1
+        q_rows = self._q_rows(active, lambda row, k: [q[row, :k]])
+        if self.defer_reads:  # placeholders now: the runner feeds the tokens from the device, read_drafts fills them
+            self._give(active, [[[PLACEHOLDER]] * k for _, k in active], q_rows)
+            self.device_drafts = DeviceDrafts(tokens, {req.request_id: row for row, (req, _) in enumerate(active)})
+            self._unread = [req.draft_token_ids for req, _ in active]
+            return
         rows = tokens.tolist()  # [B, depth]: the one host sync
-        self._give(active, [[[t] for t in rows[row][:k]] for row, (_, k) in enumerate(active)],
-                   self._q_rows(active, lambda row, k: [q[row, :k]]))
+        self._give(active, [[[t] for t in rows[row][:k]] for row, (_, k) in enumerate(active)], q_rows)
+
+    def read_drafts(self) -> None:
+        """The chain's tokens into the placeholder lists it handed out (the one host sync).  A request whose
+        drafts were cleared since holds a new list, so its old placeholders are filled unseen."""
+        if self.device_drafts is None:
+            return
+        rows = self.device_drafts.tokens.tolist()  # [B, depth]
+        for row, placeholders in enumerate(self._unread):
+            placeholders[:] = rows[row][:len(placeholders)]
+        self.device_drafts, self._unread = None, []
 
     def _chain_uniforms(self, active: list[tuple[Request, int]]) -> torch.Tensor | None:
         """[B, k_max, m] the uniforms of every draw of the chain (m = tree_width draws a depth, one uniform each),
