@@ -97,29 +97,35 @@ def processed_probs_rows(logits: torch.Tensor, params: list[SamplingParams]) -> 
 
 
 def processed_probs_tensors(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
-                            top_p: torch.Tensor) -> torch.Tensor:
+                            top_p: torch.Tensor, cuts: bool = True) -> torch.Tensor:
     """logits [N, V], per row temperature [N] (0: greedy), top_k [N] long (0: off) and top_p [N] -> [N, V]
     float32: row i is processed_probs of logits[i] at its settings.  No host sync and no data-dependent shape,
-    so it runs inside a CUDA graph.
+    so it runs inside a CUDA graph.  cuts=False promises (on the host) that no row has top-k or top-p: the
+    sort is skipped and each row is plain softmax(logits / T), as processed_probs computes it.
 
     One descending sort serves both cuts: top-k keeps the tokens at least as likely as the k-th (ties kept, as
     processed_probs' threshold keeps them), top-p the smallest sorted prefix whose mass reaches top_p.
     Example: scaled logits [1, 3, 2, 3], top_k 2 -> sorted [3, 3, 2, 1] (order [1, 3, 2, 0]), kth = 3: tokens
     1 and 3 are kept."""
     logits = logits.float()
-    vocab = logits.shape[-1]
     greedy = temperature <= 0  # [N]
     scaled = logits / torch.where(greedy, 1.0, temperature).unsqueeze(-1)  # [N, V]
+    probs = _cut_probs(scaled, top_k, top_p) if cuts else scaled.softmax(-1)  # [N, V]
+    # a greedy row: its argmax's one-hot (scattered: F.one_hot reads its input on the host, off a GPU)
+    one_hot = torch.zeros_like(probs).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)  # [N, V]
+    return torch.where(greedy.unsqueeze(-1), one_hot, probs)
+
+
+def _cut_probs(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """[N, V] softmax of scaled logits [N, V] cut to each row's top_k [N] and top_p [N] (processed_probs_tensors)."""
+    vocab = scaled.shape[-1]
     ordered, order = scaled.sort(dim=-1, descending=True, stable=True)  # [N, V] each
     k = torch.where((top_k > 0) & (top_k < vocab), top_k, vocab)  # [N]
     kth = ordered.gather(-1, (k - 1).unsqueeze(-1))  # [N, 1]
     sorted_probs = ordered.masked_fill(ordered < kth, float("-inf")).softmax(-1)  # [N, V] in sorted order
     cut = torch.where(top_p < 1.0, top_p, float("inf")).unsqueeze(-1)  # [N, 1]: top_p 1 keeps every token
     kept = sorted_probs * _nucleus(sorted_probs, cut)
-    probs = torch.zeros_like(kept).scatter_(-1, order, kept / kept.sum(-1, keepdim=True))  # [N, V]
-    # a greedy row: its argmax's one-hot (scattered: F.one_hot reads its input on the host, off a GPU)
-    one_hot = torch.zeros_like(probs).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)  # [N, V]
-    return torch.where(greedy.unsqueeze(-1), one_hot, probs)
+    return torch.zeros_like(kept).scatter_(-1, order, kept / kept.sum(-1, keepdim=True))  # [N, V]
 
 
 def _top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:

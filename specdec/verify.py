@@ -229,15 +229,15 @@ class _DeviceQ:
         return _DeviceQ(q.probs, upload(q.rows, device), ids, column, bool((q.rows >= 0).all()))
 
     def at_drafts(self, x: torch.Tensor, dtype) -> torch.Tensor:
-        """[D] q_j(x_j) of every draft (1 where q is one-hot, 0 outside the draft vocabulary)."""
-        col = x if self.column is None else self.column[x]  # [D], -1 outside the draft vocabulary
-        value = self.probs[self.rows.clamp(min=0), col.clamp(min=0)].to(dtype)  # [D]
+        """q_j(x_j) of every draft, shaped as x and rows ([D] ragged, [B, K] padded): 1 where q is one-hot, 0
+        outside the draft vocabulary."""
+        col = x if self.column is None else self.column[x]  # -1 outside the draft vocabulary
+        value = self.probs[self.rows.clamp(min=0), col.clamp(min=0)].to(dtype)
         value = torch.where(col >= 0, value, torch.zeros_like(value))
         return torch.where(self.rows >= 0, value, torch.ones_like(value))
 
-    def residual(self, p_a: torch.Tensor, x_a: torch.Tensor, d_a: torch.Tensor) -> torch.Tensor:
-        """[B, V] max(p_a - q, 0) with q the distribution of draft d_a [B] (token x_a [B])."""
-        row = self.rows[d_a]  # [B]
+    def residual(self, p_a: torch.Tensor, x_a: torch.Tensor, row: torch.Tensor) -> torch.Tensor:
+        """[B, V] max(p_a - q, 0) with q the probs row `row` [B] (-1: one-hot on the draft x_a [B])."""
         q_a = self.probs[row.clamp(min=0)].to(p_a.dtype)  # [B, V_q]
         if self.ids is None:
             sampled = (p_a - q_a).clamp_(min=0)
@@ -296,22 +296,26 @@ def _num_drafts(draft_ids: torch.Tensor) -> torch.Tensor:
     return (draft_ids >= 0).long().cumprod(dim=1).sum(dim=1)
 
 
-def _draw_uniforms(generators, counts: list[int], vocab: int, device):
+def _draw_uniforms(generators, counts: list[int], vocab: int, device, out=None):
     """Uniforms in [0, 1): acceptance tests [D] and race noise [B, V].
 
     Rows without a generator take theirs from the global RNG, all in two calls
     (no host sync).  A row with a generator draws its n_b + V values from it in
     one call (on that generator's device): n_b acceptance uniforms, then V race
-    uniforms.
+    uniforms.  out: None, or float32 buffers (tests [>= D], race [>= B, V]) to
+    draw into, in place of fresh tensors (the same values): their first D and B
+    rows are returned.
     """
     batch, total = len(counts), sum(counts)
     gens = [None] * batch if generators is None else list(generators)
-    if all(g is not None for g in gens):  # nothing from the global RNG
+    if out is None:
         u_test = torch.empty(total, device=device)
         u_race = torch.empty(batch, vocab, device=device)
     else:
-        u_test = torch.rand(total, device=device)
-        u_race = torch.rand(batch, vocab, device=device)
+        u_test, u_race = out[0][:total], out[1][:batch]
+    if not all(g is not None for g in gens):  # some rows take the global RNG's
+        torch.rand(total, device=device, out=u_test)
+        torch.rand(batch, vocab, device=device, out=u_race)
     start = 0
     for b, (n, gen) in enumerate(zip(counts, gens)):
         if gen is not None:
@@ -326,9 +330,7 @@ def _num_accepted(target_probs, x, q, lay, u_test, dtype) -> torch.Tensor:
     """[B] number of accepted drafts a_b (the length of the accepted prefix)."""
     p_x = target_probs[lay.target_row, x].to(dtype)  # [D] p_j(x_j)
     q_x = torch.ones_like(p_x) if q is None else q.at_drafts(x, dtype)  # [D] q_j(x_j)
-    # Keep with probability min(1, p/q), written without a division:
-    # p >= q keeps surely (also covers q = 0 < p); a token with p = 0 never passes.
-    ok = (p_x > 0) & ((p_x >= q_x) | (u_test * q_x < p_x))  # [D]
+    ok = _passes(p_x, q_x, u_test)  # [D]
     # Accepted prefix = drafts before the row's first rejection.  Each draft
     # proposes a stop: its position j if rejected, else n_b; a_b is the least.
     # Example (the layout's): n = (2, 0, 3), ok = (1, 1, 1, 0, 1)
@@ -350,12 +352,24 @@ def _final_distribution(target_probs, x, q, lay, n_accepted, dtype) -> torch.Ten
         return p_a
     # the rejected draft of row b; rows that rejected none point past their drafts (value unused)
     d_a = (lay.first_draft + n_accepted).clamp(max=lay.total - 1)  # [B]
-    x_a = x[d_a]  # [B]
-    residual = _without(p_a, x_a) if q is None else q.residual(p_a, x_a, d_a)  # [B, V]
+    return _last_distribution(p_a, x[d_a], q, None if q is None else q.rows[d_a], n_accepted < lay.n)
+
+
+def _passes(p_x: torch.Tensor, q_x: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Whether each draft passes its test (any shape): kept with probability min(1, p/q), written without a
+    division: p >= q keeps surely (also covers q = 0 < p); a token with p = 0 never passes."""
+    return (p_x > 0) & ((p_x >= q_x) | (u * q_x < p_x))
+
+
+def _last_distribution(p_a: torch.Tensor, x_a: torch.Tensor, q: _DeviceQ | None, q_row: torch.Tensor | None,
+                       rejected: torch.Tensor) -> torch.Tensor:
+    """[B, V] what the last token is drawn from, given each row's target row p_a [B, V] at position a_b, the
+    draft there x_a [B] (any value where nothing was rejected), its q row q_row [B] (-1: one-hot; None with q)
+    and whether the row rejected it [B] bool: the residual, else p_a (bonus, or a numerically empty residual)."""
+    residual = _without(p_a, x_a) if q is None else q.residual(p_a, x_a, q_row)  # [B, V]
     residual_mass = residual.sum(-1, keepdim=True)  # [B, 1]
     p_mass = p_a.sum(-1, keepdim=True)  # [B, 1]
-    rejected = (n_accepted < lay.n).unsqueeze(1)  # [B, 1]
-    use_residual = rejected & (residual_mass > _RESIDUAL_EPS * p_mass)
+    use_residual = rejected.unsqueeze(1) & (residual_mass > _RESIDUAL_EPS * p_mass)  # [B, 1]
     return torch.where(use_residual, residual, p_a)
 
 
