@@ -258,7 +258,7 @@ class Engine:
             return finished
         starts = [s.request.num_computed for s in seqs]
         logits = self._forward(seqs)  # per seq [1 + drafts, V] or empty
-        verdicts = sample_tokens(seqs, logits)
+        verdicts = sample_tokens(seqs, logits, self.runner.static if self.runner.static_step else None)
         if self.states is not None:  # a verified sequence's state advances by exactly the tokens it kept
             self.states.commit([s.num_new - s.num_drafts + len(v.tokens) - 1 for s, v in zip(seqs, verdicts)])
         for i, (seq, rows, verdict) in enumerate(zip(seqs, logits, verdicts)):

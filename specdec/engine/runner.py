@@ -23,6 +23,7 @@ class ModelRunner:
         self.block_size = kv_cache.block_size
         self.static = static  # StaticRunner for uniform decode/verify steps (CUDA graphs on GPU), or None
         self.eager_forwards = 0  # forwards that did not take the fixed-shape path (prefills, other shapes)
+        self.static_step = False  # whether the last forward took it
         self.piecewise = piecewise  # PiecewiseRunner for those (all but attention as CUDA graphs), or None
         self.feature_rows: list[int] = []  # the last forward's row of each sequence's first fed token
         self.states = states  # engine/state_slots.StateSlots of a hybrid model, or None
@@ -52,7 +53,8 @@ class ModelRunner:
         """
         if fed_ids is not None and any(s.num_new != 1 for s in seqs):
             raise ValueError("fed_ids needs every sequence to feed exactly one token")
-        if self.takes_device_drafts(seqs):
+        self.static_step = self.takes_device_drafts(seqs)
+        if self.static_step:
             logits = self.static.run(seqs, fed_ids, drafts)
             self.feature_rows = self.static.row_starts
             return logits

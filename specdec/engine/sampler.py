@@ -5,12 +5,17 @@ the target (recovered after a rejection, or the bonus after full acceptance).  W
 plain sampling.  Greedy rows take the longest prefix of drafts equal to the argmax, then the argmax.
 A sequence whose drafts form a tree (request.draft_parents) is walked by specdec/verify_tree.py instead: its
 rows are the root's and each node's, and its verdict says which rows the emitted tokens came from.
+
+After a step on the static runner, acceptance runs on that step's fixed shape instead (the same maths, one
+graph replay on a GPU: engine/fixed_acceptance.py) when every sequence is eligible: a chain of drafts or none,
+q rows in one draft vocabulary.  A step with a draft tree, or one that ran eagerly, takes the path below.
 """
 
 from __future__ import annotations
 
 import torch
 
+from specdec.engine.fixed_acceptance import eligible
 from specdec.engine.scheduler import ScheduledSeq
 from specdec.sampling import processed_probs_rows
 from specdec.verify import DraftQ, accept_ragged, in_target_vocab
@@ -26,9 +31,12 @@ def greedy_accept(drafts: list[int], best: list[int]) -> list[int]:
     return drafts[:n] + [best[n]]
 
 
-def sample_tokens(seqs: list[ScheduledSeq], logits: list[torch.Tensor]) -> list[Verdict]:
+def sample_tokens(seqs: list[ScheduledSeq], logits: list[torch.Tensor], static=None) -> list[Verdict]:
     """For each sequence, the tokens it emits this step (accepted drafts + one; none for a sequence that does
-    not sample) and the logits row that predicted each."""
+    not sample) and the logits row that predicted each.  static: the StaticRunner when the step ran on it (its
+    fixed-shape acceptance is used if the sequences are eligible), else None."""
+    if static is not None and eligible(seqs):
+        return [Verdict(tokens, list(range(len(tokens)))) for tokens in static.accept(seqs)]
     trees = [i for i, s in enumerate(seqs) if s.samples and s.tree_parents is not None]
     verdicts = dict(zip(trees, _verify_trees([seqs[i] for i in trees], [logits[i] for i in trees])))
     chains = _sample_chains([s if i not in verdicts else None for i, s in enumerate(seqs)], logits)

@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from specdec.engine.device_drafts import DeviceDrafts, draft_positions
+from specdec.engine.fixed_acceptance import FixedAcceptance
 from specdec.engine.kv_cache import KVCache
 from specdec.engine.runner import fed_offsets, tree_mask_rows
 from specdec.engine.scheduler import ScheduledSeq
@@ -94,6 +95,8 @@ class StaticRunner:
         self.logits: torch.Tensor | None = None
         self.logits_rows_wanted = 0  # precapture's largest shape: the buffer is made this big at once
         self.pool = torch.cuda.graph_pool_handle() if self.capture else None
+        self.acceptance = FixedAcceptance(device, self.capture, self.pool)  # the sampler's, after a step here
+        self.step: tuple[int, int, torch.Tensor] | None = None  # the last run's (batch, q, logits [batch q, V])
         self.replays = 0
         self.shapes: set[tuple[int, int, int]] = set()  # (batch, q, context) run by precapture()
         self.row_starts: list[int] = []  # the last step's first row of each sequence
@@ -169,10 +172,16 @@ class StaticRunner:
             step_rows, token_rows, token_cols = upload(draft_positions(seqs, drafts.rows, q), self.device)
             ids[step_rows] = drafts.tokens[token_rows, token_cols]
         logits = self._forward(batch, q, context)  # [batch * q, V]
+        self.step = (batch, q, logits)
         self.row_starts = [i * q for i in range(len(seqs))]  # sequence i's rows: i * q ..
         # the rows the sampler reads: after the last fed token and after each draft (see ModelRunner.forward);
         # a short prefill feeds several prompt tokens but samples only after the last one
         return [logits[i * q + s.num_new - 1 - s.num_drafts:i * q + s.num_new] for i, s in enumerate(seqs)]
+
+    def accept(self, seqs: list[ScheduledSeq]) -> list[list[int]]:
+        """The tokens each sequence of the last run emits (accepted drafts + one), accepted on the step's fixed
+        shape (engine/fixed_acceptance.py; the sampler checks the sequences are eligible)."""
+        return self.acceptance.accept(seqs, *self.step)
 
     def precapture(self, qs: list[int]) -> int:
         """Capture (on a CPU: run) every (batch, q, context) shape for the given q values up front, largest

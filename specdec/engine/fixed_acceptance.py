@@ -1,0 +1,182 @@
+"""A fixed-shape step's acceptance (specdec/fixed_accept.py) on static buffers, as one CUDA graph per shape.
+
+After a decode or verify step on the static runner, its logits buffer [B q, V] holds every sequence's rows at
+fixed places.  FixedAcceptance stages the step's drafts and settings in one host -> device copy, draws the
+sampled sequences' uniforms outside the graph (verify._draw_uniforms, into static buffers: seeded requests keep
+their generators), replays the shape's graph (on a CPU, or a GPU without graphs, runs the same function
+eagerly) and brings num_accepted and the tokens back in one copy.
+
+Shape key: (B, q) and what the graph bakes in from the host: whether any sequence samples (else the softmax
+is skipped: greedy only needs the argmax), whether any cuts top-k / top-p (else no sort), the width of the q
+rows (0: no q this step) and whether they are in a reduced draft vocabulary, and the logits buffer itself.
+
+Which steps come here (sampler.sample_tokens decides, with `eligible`): the step ran on the static runner and
+every sequence samples with a chain of drafts (or none), all q rows in one draft vocabulary.  Draft trees take
+today's path (verify_tree.accept_tree).  Log-probs need nothing from here: they are read off the same rows.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from specdec import fixed_accept
+from specdec.engine.scheduler import ScheduledSeq
+from specdec.verify import _draw_uniforms
+
+
+def eligible(seqs: list[ScheduledSeq]) -> bool:
+    """Whether a static step's sequences can be accepted here: each samples with a chain of drafts or none, and
+    the q rows there are share one draft vocabulary."""
+    vocabs = {id(s.request.draft_vocab) for s in seqs if s.num_drafts and s.request.draft_probs is not None}
+    return len(vocabs) <= 1 and all(s.samples and s.tree_parents is None for s in seqs)
+
+
+class _Layout:
+    """A (B, q) shape's staged inputs as views of one flat long buffer (numpy or torch): drafts [B, q-1],
+    test_index [B, q-1] (each draft's uniform in the drawn tests, 0 for greedy / padding), q_rows [B, q-1]
+    (each draft's row of the staged q, -1: one-hot), then per sequence num_drafts, first, greedy, top_k,
+    race_index (its row of the drawn race uniforms), temperature and top_p (float64 bits)."""
+
+    def __init__(self, batch: int, q: int):
+        self.batch, self.k = batch, q - 1
+        self.size = 3 * batch * self.k + 7 * batch
+
+    def views(self, flat):
+        b, k = self.batch, self.k
+        grid = [flat[i * b * k:(i + 1) * b * k].reshape(b, k) for i in range(3)]
+        rows = [flat[3 * b * k + i * b:3 * b * k + (i + 1) * b] for i in range(7)]
+        return grid + rows  # drafts, test_index, q_rows, num_drafts, first, greedy, top_k, race_index, T, top_p
+
+
+class _Shape:
+    """One shape's static buffers (and its graph)."""
+
+    def __init__(self, batch: int, q: int, logits: torch.Tensor, width: int, device: torch.device, scratch):
+        self.layout = _Layout(batch, q)
+        self.logits = logits.view(batch, q, -1)  # [B, q, V], the runner's buffer
+        self.inputs = torch.zeros(self.layout.size, dtype=torch.long, device=device)
+        self.staging = torch.zeros(self.layout.size, dtype=torch.long, pin_memory=device.type == "cuda")
+        self.u_test = torch.zeros(max(1, batch * (q - 1)), device=device)  # [<= B (q-1)] drawn ragged
+        self.u_race = scratch("race", batch, self.logits.shape[-1])  # [<= B, V] drawn rows
+        self.q_probs = scratch(f"q{width}", batch * (q - 1), width) if width else None  # [<= B (q-1), V_q] stacked
+        self.out = torch.zeros(batch, q + 1, dtype=torch.long, device=device)  # [B, 1 + q]: a_b, then tokens
+        self.host = torch.zeros_like(self.out, device="cpu", pin_memory=device.type == "cuda")
+        self.done = torch.cuda.Event() if device.type == "cuda" else None
+        self.graph: torch.cuda.CUDAGraph | None = None
+
+
+class FixedAcceptance:
+    def __init__(self, device: torch.device, capture: bool, pool=None):
+        self.device = device
+        self.capture = capture and device.type == "cuda"
+        self.pool = pool  # the static runner's graph pool: the forward's and the acceptance's temporaries share it
+        self.shapes: dict[tuple, _Shape] = {}
+        self.vocab_ids: dict[int, torch.Tensor] = {}  # per q width: the staged draft vocabulary ([V_q] target ids)
+        self.steps = 0  # steps accepted here
+        self.scratch: dict[str, torch.Tensor] = {}  # the large float32 inputs, shared by every shape
+
+    def _scratch(self, name: str, rows: int, cols: int) -> torch.Tensor:
+        """[rows, cols] float32 view of the shared buffer `name`, made larger when too small (shapes made before
+        keep the old one, which their graphs read)."""
+        flat = self.scratch.get(name)
+        if flat is None or flat.numel() < rows * cols:
+            flat = self.scratch[name] = torch.zeros(rows * cols, device=self.device)
+        return flat[:rows * cols].view(rows, cols)
+
+    def accept(self, seqs: list[ScheduledSeq], batch: int, q: int, logits: torch.Tensor) -> list[list[int]]:
+        """Each sequence's emitted tokens (accepted drafts + one) after a (batch, q) step whose logits rows are
+        logits [batch q, V] (every row, padding included)."""
+        with_q = [s for s in seqs if s.num_drafts and s.request.draft_probs is not None]
+        width = with_q[0].request.draft_probs.shape[-1] if with_q else 0
+        mapped = bool(with_q) and with_q[0].request.draft_vocab is not None
+        sampled = [s for s in seqs if not s.request.params.greedy]
+        cuts = any(s.request.params.top_k > 0 or s.request.params.top_p < 1.0 for s in sampled)
+        key = (batch, q, bool(sampled), cuts, width, mapped, logits.data_ptr())
+        shape = self.shapes.get(key)
+        if shape is None:
+            shape = self.shapes[key] = _Shape(batch, q, logits, width, self.device, self._scratch)
+        self._stage(shape, seqs, with_q, sampled)
+        if mapped:
+            self._stage_vocab(width, with_q[0].request.draft_vocab)
+        self._run(shape, key)
+        self.steps += 1
+        return self._read(shape, seqs)
+
+    def _stage(self, shape: _Shape, seqs, with_q, sampled) -> None:
+        """The drafts and settings in one copy; the sampled sequences' uniforms and the q rows into their
+        buffers."""
+        host = shape.layout.views(shape.staging.numpy())
+        drafts, test_index, q_rows, n, first, greedy, top_k, race_index, temperature, top_p = host
+        shape.staging.zero_()
+        q_rows[:] = -1
+        greedy[:] = 1  # padding sequences: greedy, nothing drawn for them
+        temperature, top_p = temperature.view(np.float64), top_p.view(np.float64)
+        top_p[:] = 1.0
+        at_test, at_race, at_q, has_q = 0, 0, 0, {id(s) for s in with_q}
+        for i, seq in enumerate(seqs):
+            k, params = seq.num_drafts, seq.request.params
+            drafts[i, :k] = seq.request.draft_token_ids[:k]
+            n[i], first[i] = k, seq.num_new - 1 - k
+            greedy[i], top_k[i], temperature[i], top_p[i] = params.greedy, params.top_k, params.temperature, \
+                params.top_p
+            if not params.greedy:  # its uniforms: drawn after the earlier sampled sequences' (_draw_uniforms)
+                test_index[i, :k] = np.arange(at_test, at_test + k)
+                race_index[i] = at_race
+                at_test, at_race = at_test + k, at_race + 1
+            if id(seq) in has_q:  # its q rows: stacked after the earlier sequences'
+                q_rows[i, :k] = np.arange(at_q, at_q + k)
+                at_q += k
+        shape.inputs.copy_(shape.staging, non_blocking=True)
+        if sampled:
+            _draw_uniforms([s.request.generator for s in sampled], [s.num_drafts for s in sampled],
+                           shape.u_race.shape[1], self.device, out=(shape.u_test, shape.u_race))
+        if with_q:
+            torch.cat([s.request.draft_probs[:s.num_drafts] for s in with_q], out=shape.q_probs[:at_q])
+
+    def _stage_vocab(self, width: int, vocab_ids: torch.Tensor) -> None:
+        """The draft vocabulary's target ids in a static buffer per q width (copied when it changes)."""
+        staged = self.vocab_ids.get(width)
+        if staged is None:
+            staged = self.vocab_ids[width] = torch.zeros(width, dtype=torch.long, device=self.device)
+        staged.copy_(vocab_ids)
+
+    def _run(self, shape: _Shape, key: tuple) -> None:
+        if not self.capture:
+            self._body(shape, key)
+            return
+        if shape.graph is None:
+            from specdec.engine.static_runner import warm_up
+
+            warm_up(self.device, lambda: self._body(shape, key))
+            shape.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(shape.graph, pool=self.pool):
+                self._body(shape, key)
+        shape.graph.replay()
+
+    def _body(self, shape: _Shape, key: tuple) -> None:
+        """The graph's work: the shape's staged inputs -> out [B, 1 + q]."""
+        _, _, any_sampled, cuts, width, mapped, _ = key
+        drafts, test_index, q_rows, n, first, greedy, top_k, race_index, temperature, top_p = \
+            shape.layout.views(shape.inputs)
+        vocab = shape.logits.shape[-1]
+        draft_q = None
+        if width:
+            draft_q = fixed_accept.device_q(shape.q_probs, q_rows, self.vocab_ids[width] if mapped else None, vocab)
+        a, tokens = fixed_accept.accept_fixed(
+            shape.logits, first, drafts, n, greedy.bool(), temperature.view(torch.float64).float(), top_k,
+            top_p.view(torch.float64).float(), shape.u_test[test_index], shape.u_race.index_select(0, race_index),
+            draft_q, cuts=cuts, any_sampled=any_sampled)
+        shape.out[:, 0] = a
+        shape.out[:, 1:] = tokens
+
+    def _read(self, shape: _Shape, seqs) -> list[list[int]]:
+        """The one device -> host copy of the result."""
+        if shape.done is None:
+            out = shape.out.tolist()
+        else:
+            shape.host.copy_(shape.out, non_blocking=True)
+            shape.done.record()
+            shape.done.synchronize()
+            out = shape.host.tolist()
+        return [row[1:row[0] + 2] for row, _ in zip(out, seqs)]

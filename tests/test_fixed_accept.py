@@ -1,0 +1,142 @@
+"""Acceptance on fixed shapes (specdec/fixed_accept.py, engine/fixed_acceptance.py) gives today's tokens: the
+sampler's ragged path (verify.accept_ragged for sampled sequences, greedy_accept for greedy ones) for the same
+uniforms, on random padded batches."""
+
+from __future__ import annotations
+
+import types
+
+import torch
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+
+from specdec.engine.fixed_acceptance import FixedAcceptance
+from specdec.engine.sampler import _sample_chains
+from specdec.engine.scheduler import ScheduledSeq
+from specdec.fixed_accept import accept_fixed, fixed_q
+from specdec.sampling import SamplingParams, processed_probs_rows
+from specdec.verify import DraftQ, accept_ragged
+
+SETTINGS = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0),
+            SamplingParams(temperature=0.7, top_p=0.9), SamplingParams(temperature=0.7, top_k=5, top_p=0.9),
+            SamplingParams(temperature=1.3, top_k=3)]
+VOCAB, DRAFT_VOCAB = 16, 8
+
+
+def random_step(seed: int, mode: str, seeded: bool, sampled_only: bool = False):
+    """A padded step: (sequences, batch bucket B, q, logits [B q, V]).  mode: "none" (deterministic drafts),
+    "full" (q over the target vocabulary) or "mapped" (q over an 8-token draft vocabulary); a few sequences draft
+    deterministically beside those with q, some draft nothing, some fed 2 tokens (short prefill, catch-up)."""
+    g = torch.Generator().manual_seed(seed)
+    count = int(torch.randint(1, 6, (1,), generator=g))
+    batch, q = 1 << (count - 1).bit_length(), int(torch.randint(1, 6, (1,), generator=g))
+    logits = torch.randn(batch * q, VOCAB, generator=g) * 2
+    vocab_ids = torch.randperm(VOCAB, generator=g)[:DRAFT_VOCAB] if mode == "mapped" else None
+    seqs = []
+    for i in range(count):
+        fed_before = int(torch.randint(1, 3, (1,), generator=g)) if q > 1 else 1  # committed tokens fed
+        n = int(torch.randint(0, q - fed_before + 1, (1,), generator=g))
+        settings_ = SETTINGS[int(torch.randint(1 if sampled_only else 0, len(SETTINGS), (1,), generator=g))]
+        rows = logits[i * q + fed_before - 1:i * q + fed_before + n]  # [n + 1, V] the sequence's scoring rows
+        with_q = mode != "none" and bool(torch.rand(1, generator=g) < 0.75)
+        probs = None
+        if with_q:
+            probs = (torch.randn(n, VOCAB if vocab_ids is None else DRAFT_VOCAB, generator=g) * 2).softmax(-1)
+            drafts = torch.multinomial(probs, 1, generator=g).view(-1) if n else torch.zeros(0, dtype=torch.long)
+            drafts = drafts if vocab_ids is None else vocab_ids[drafts]
+        else:  # the target's argmax or a random token
+            best, other = rows[:n].argmax(-1), torch.randint(0, VOCAB, (n,), generator=g)
+            drafts = torch.where(torch.rand(n, generator=g) < 0.6, best, other)
+        request = types.SimpleNamespace(
+            params=settings_, draft_token_ids=drafts.tolist(), draft_probs=probs, draft_parents=None,
+            draft_vocab=vocab_ids if with_q else None,
+            generator=torch.Generator().manual_seed(seed + i) if seeded and not settings_.greedy else None)
+        seqs.append(ScheduledSeq(request, fed_before + n, n, True))
+    return seqs, batch, q, logits
+
+
+def today(seqs, q, logits):
+    """The sampler's ragged path on the sequences' rows."""
+    rows = [logits[i * q + s.num_new - 1 - s.num_drafts:i * q + s.num_new] for i, s in enumerate(seqs)]
+    return _sample_chains(seqs, rows)
+
+
+def reseed(seqs, seed):
+    for i, s in enumerate(seqs):
+        if s.request.generator is not None:
+            s.request.generator.manual_seed(seed + i)
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**31), mode=st.sampled_from(["none", "full", "mapped"]), seeded=st.booleans())
+@example(seed=3, mode="mapped", seeded=False)
+def test_the_fixed_shape_gives_the_ragged_paths_tokens(seed, mode, seeded):
+    """Greedy and sampled sequences mixed, ragged draft counts (0 included), padding sequences and rows, the
+    settings T 0.7 with top-p 0.9 and top-k, q over the full vocabulary, over a mapped draft vocabulary, or none;
+    seeded sequences draw from their generators, the others from the global RNG: same tokens either way."""
+    seqs, batch, q, logits = random_step(seed, mode, seeded)
+    torch.manual_seed(seed)
+    want = today(seqs, q, logits)
+    reseed(seqs, seed)
+    torch.manual_seed(seed)
+    acceptance = FixedAcceptance(torch.device("cpu"), capture=False)
+    assert acceptance.accept(seqs, batch, q, logits) == want
+
+
+def test_the_draws_stay_the_ragged_paths_so_seeded_requests_reproduce():
+    """After a step the generators and the global RNG stand where the ragged path leaves them."""
+    seqs, batch, q, logits = random_step(11, "full", seeded=True)
+    torch.manual_seed(0)
+    today(seqs, q, logits)
+    after = [s.request.generator.get_state() for s in seqs if s.request.generator is not None], torch.rand(3)
+    reseed(seqs, 11)
+    torch.manual_seed(0)
+    FixedAcceptance(torch.device("cpu"), capture=False).accept(seqs, batch, q, logits)
+    assert after[0] and all(torch.equal(a, s.request.generator.get_state()) for a, s in
+                            zip(after[0], [s for s in seqs if s.request.generator is not None]))
+    assert torch.equal(after[1], torch.rand(3))
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**31), mapped=st.booleans())
+def test_the_function_on_padded_q_rows_with_a_has_q_flag_per_draft(seed, mapped):
+    """accept_fixed with q as padded rows [B, q-1, V_q] and a has-q flag per draft (mixed within a row), every
+    row sampled at T = 1 from its own uniforms: equals accept_ragged on the ragged rows with the same draws."""
+    g = torch.Generator().manual_seed(seed)
+    batch, k = 4, 3
+    n = torch.randint(0, k + 1, (batch,), generator=g)
+    target = torch.randn(batch, k + 1, VOCAB, generator=g) * 2
+    width = DRAFT_VOCAB if mapped else VOCAB
+    ids = torch.randperm(VOCAB, generator=g)[:width] if mapped else None
+    probs = (torch.randn(batch, k, width, generator=g) * 2).softmax(-1)
+    has_q = torch.rand(batch, k, generator=g) < 0.6
+    cols = torch.multinomial(probs.view(-1, width), 1, generator=g).view(batch, k)
+    drafts = torch.where(has_q, cols if ids is None else ids[cols], target[:, :k].argmax(-1))
+    seeds = torch.randint(0, 2**31, (batch,), generator=g).tolist()
+    u_test, u_race = torch.zeros(batch, k), torch.zeros(batch, VOCAB)
+    for b in range(batch):  # what verify._draw_uniforms draws for a seeded row: n_b tests, then V race uniforms
+        u = torch.rand(int(n[b]) + VOCAB, generator=torch.Generator().manual_seed(seeds[b]))
+        u_test[b, :n[b]], u_race[b] = u[:n[b]], u[n[b]:]
+    real = torch.arange(k) < n.unsqueeze(1)  # [B, k]
+    rows = torch.cat([torch.arange(k + 1) < n[b] + 1 for b in range(batch)])
+    q_index = torch.where(has_q, torch.arange(batch * k).view(batch, k), -1)[real]
+    want = accept_ragged(processed_probs_rows(target.view(-1, VOCAB)[rows], [SamplingParams()] * int(rows.sum())),
+                         drafts[real], n.tolist(), DraftQ(probs.view(-1, width), q_index, ids),
+                         [torch.Generator().manual_seed(s) for s in seeds])
+    ones, zeros = torch.ones(batch), torch.zeros(batch, dtype=torch.long)
+    a, tokens = accept_fixed(target, zeros, drafts, n, zeros.bool(), ones, zeros, ones, u_test, u_race,
+                             fixed_q(probs, has_q, ids, VOCAB), cuts=False)
+    assert torch.equal(a, want.num_accepted)
+    assert torch.equal(tokens.gather(1, a.unsqueeze(1)).squeeze(1), want.token)
+    assert all(torch.equal(tokens[b, :a[b]], drafts[b, :a[b]]) for b in range(batch))
+    assert (tokens[:, 1:] >= 0).sum() == a.sum()  # -1 after the last token
+
+
+def test_without_cuts_the_sort_free_processing_is_the_cut_one():
+    from specdec.sampling import processed_probs_tensors
+
+    logits = torch.randn(6, 50, generator=torch.Generator().manual_seed(2))
+    t = torch.tensor([0.0, 1.0, 0.7, 1.3, 2.0, 0.0])
+    off, ones = torch.zeros(6, dtype=torch.long), torch.ones(6)
+    torch.testing.assert_close(processed_probs_tensors(logits, t, off, ones, cuts=False),
+                               processed_probs_tensors(logits, t, off, ones), atol=1e-6, rtol=0)
