@@ -12,7 +12,7 @@ from specdec import LLM, ModelLoadError, SamplingParams
 from specdec.models.eagle3 import load_eagle3_head, random_head, save_eagle3_head
 from specdec.models.loader import load_model
 from specdec.speculate import SpecConfig
-from tests.broken_verify import accept_everything
+from tests.broken_verify import accept_everything, accept_everything_fixed
 from tests.stats import chi_square_p
 from tests.test_speculative import GREEDY, _exact_token2_marginal, mixed_prompts
 
@@ -49,6 +49,7 @@ def test_greedy_equals_plain_with_a_random_head(qwen3_dir, head_dir, plain, k, s
     assert [o.token_ids for o in llm.generate(mixed_prompts(), GREEDY)] == plain
     m = llm.engine.metrics()
     assert m["draft_tokens"] > 0 and m["accepted_tokens"] > 0  # drafts were verified, some accepted
+    assert not static or llm.engine.runner.static.acceptance.steps > 0  # accepted on the fixed shapes
 
 
 @pytest.mark.parametrize("piecewise,static", [(False, False), (True, False), (False, True)])
@@ -61,6 +62,7 @@ def test_greedy_equals_plain_under_preemption_chunking_and_prefix_hits(qwen3_dir
     again = tight.generate(mixed_prompts(), GREEDY)  # now with prefix-cache hits
     assert [o.token_ids for o in again] == plain
     assert tight.engine.blocks.prefix_hits > 0
+    assert not static or tight.engine.runner.static.acceptance.steps > 10  # accepted on the fixed shapes
 
 
 def test_mixed_sampling_settings_in_one_batch_keep_greedy_rows_exact(qwen3_dir, head_dir, plain):
@@ -224,21 +226,26 @@ def test_sampled_tokens_follow_the_target_distribution_through_head_graphs(qwen3
     assert chi_square_p(counts, _exact_token2_marginal(qwen3_dir, prompt)) > 1e-3
     assert len(padded) > 50  # the observes after verify steps went through the padded buckets
     assert len(chains) > 50  # and the chains through the chain graphs, their draws inside
+    assert llm.engine.runner.static.acceptance.steps > 50  # and acceptance on the verify steps' fixed shapes
 
 
 @pytest.mark.parametrize("broken", [False, True])
 def test_at_temperature_0_7_with_top_p_the_tokens_follow_the_target(qwen3_dir, head_dir, broken, monkeypatch):
     """The head drafts from its own distribution at the request's settings (T 0.7, top-p 0.9), through the
-    graphs; the emitted tokens follow the target's at those settings, and an accept-everything verifier fails."""
+    graphs and acceptance on the fixed shapes; the emitted tokens follow the target's at those settings, and an
+    accept-everything verifier fails."""
     import specdec.engine.sampler as sampler
+    import specdec.fixed_accept as fixed_accept
 
     if broken:
         monkeypatch.setattr(sampler, "accept_ragged", accept_everything)
+        monkeypatch.setattr(fixed_accept, "accept_fixed", accept_everything_fixed)
     llm = eagle_llm(qwen3_dir, head_dir, 2, max_num_seqs=64, kv_cache_tokens=16384, static_shapes=True,
                     max_graph_batch=64)
     prompt = [5, 17, 30, 2, 9]
     counts, outs = _token2_counts(llm, prompt, 4000, temperature=0.7, top_p=0.9)
     p = chi_square_p(counts, _exact_token2_marginal(qwen3_dir, prompt, temperature=0.7, top_p=0.9))
+    assert llm.engine.runner.static.acceptance.steps > 50
     if broken:
         assert p < 1e-6
     else:  # a few hundred accepted and rejected drafts each (of 8000) give the test its power

@@ -110,6 +110,7 @@ def test_fixed_shape_steps_equal_transformers(hybrid, drafter, hybrid_head, spec
     assert padded == expected
     engine = llm.engine
     assert engine.runner.eager_forwards < engine.stats["steps"] / 2  # most steps took the padded path
+    assert engine.runner.static.acceptance.steps > engine.stats["steps"] / 2  # and were accepted on it
     if spec is not None:
         drafted, accepted = engine.metrics()["draft_tokens"], engine.metrics()["accepted_tokens"]
         assert drafted > accepted and (accepted > 0 or method != "ngram")  # rejections (and n-gram's hits)

@@ -252,11 +252,14 @@ def test_fixed_shape_verify_steps_keep_outputs(qwen3_dir, drafter_dir, plain, me
     model = str(drafter_dir) if method == "draft" else None
     llm = spec_llm(qwen3_dir, SpecConfig(method, model=model, num_draft_tokens=3, adaptive=False),
                    static_shapes=True, max_graph_batch=8)
-    calls = []
-    run = llm.engine.runner.static.run
-    llm.engine.runner.static.run = lambda seqs, *fed: calls.append(seqs[0].num_new) or run(seqs, *fed)
+    calls, accepted = [], []
+    static = llm.engine.runner.static
+    run, accept = static.run, static.acceptance.accept
+    static.run = lambda seqs, *fed: calls.append(seqs[0].num_new) or run(seqs, *fed)
+    static.acceptance.accept = lambda seqs, batch, q, logits: accepted.append(q) or accept(seqs, batch, q, logits)
     assert [o.token_ids for o in llm.generate(mixed_prompts(), GREEDY)] == plain
     assert any(q > 1 for q in calls)  # verify steps took the fixed-shape path
+    assert any(q > 1 for q in accepted)  # and were accepted on it
 
 
 def test_frozen_shapes_keep_outputs_with_a_drafter(qwen3_dir, drafter_dir, plain):
