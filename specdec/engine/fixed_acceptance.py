@@ -8,7 +8,8 @@ eagerly) and brings num_accepted and the tokens back in one copy.
 
 Shape key: (B, q) and what the graph bakes in from the host: whether any sequence samples (else the softmax
 is skipped: greedy only needs the argmax), whether any cuts top-k / top-p (else no sort), the width of the q
-rows (0: no q this step) and whether they are in a reduced draft vocabulary, and the logits buffer itself.
+rows (0: no q this step) and whether they are in a reduced draft vocabulary, and under graphs the logits
+buffer itself.
 
 Which steps come here (sampler.sample_tokens decides, with `eligible`): the step ran on the static runner and
 every sequence samples with a chain of drafts (or none), all q rows in one draft vocabulary.  Draft trees take
@@ -92,10 +93,12 @@ class FixedAcceptance:
         mapped = bool(with_q) and with_q[0].request.draft_vocab is not None
         sampled = [s for s in seqs if not s.request.params.greedy]
         cuts = any(s.request.params.top_k > 0 or s.request.params.top_p < 1.0 for s in sampled)
-        key = (batch, q, bool(sampled), cuts, width, mapped, logits.data_ptr())
+        # a graph reads the logits buffer it was captured on; eagerly each step's logits are fresh
+        key = (batch, q, bool(sampled), cuts, width, mapped, logits.data_ptr() if self.capture else None)
         shape = self.shapes.get(key)
         if shape is None:
             shape = self.shapes[key] = _Shape(batch, q, logits, width, self.device, self._scratch)
+        shape.logits = logits.view(batch, q, -1)  # [B, q, V] (the same buffer, under a graph)
         self._stage(shape, seqs, with_q, sampled)
         if mapped:
             self._stage_vocab(width, with_q[0].request.draft_vocab)
