@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import types
 
+import pytest
 import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
@@ -23,7 +24,7 @@ SETTINGS = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0),
 VOCAB, DRAFT_VOCAB = 16, 8
 
 
-def random_step(seed: int, mode: str, seeded: bool, sampled_only: bool = False):
+def random_step(seed: int, mode: str, seeded: bool, sampled_only: bool = False, device: str = "cpu"):
     """A padded step: (sequences, batch bucket B, q, logits [B q, V]).  mode: "none" (deterministic drafts),
     "full" (q over the target vocabulary) or "mapped" (q over an 8-token draft vocabulary); a few sequences draft
     deterministically beside those with q, some draft nothing, some fed 2 tokens (short prefill, catch-up)."""
@@ -32,7 +33,7 @@ def random_step(seed: int, mode: str, seeded: bool, sampled_only: bool = False):
     batch, q = 1 << (count - 1).bit_length(), int(torch.randint(1, 6, (1,), generator=g))
     logits = torch.randn(batch * q, VOCAB, generator=g) * 2
     vocab_ids = torch.randperm(VOCAB, generator=g)[:DRAFT_VOCAB] if mode == "mapped" else None
-    seqs = []
+    seqs, device_ids = [], None if vocab_ids is None else vocab_ids.to(device)  # one draft vocabulary, shared
     for i in range(count):
         fed_before = int(torch.randint(1, 3, (1,), generator=g)) if q > 1 else 1  # committed tokens fed
         n = int(torch.randint(0, q - fed_before + 1, (1,), generator=g))
@@ -48,11 +49,11 @@ def random_step(seed: int, mode: str, seeded: bool, sampled_only: bool = False):
             best, other = rows[:n].argmax(-1), torch.randint(0, VOCAB, (n,), generator=g)
             drafts = torch.where(torch.rand(n, generator=g) < 0.6, best, other)
         request = types.SimpleNamespace(
-            params=settings_, draft_token_ids=drafts.tolist(), draft_probs=probs, draft_parents=None,
-            draft_vocab=vocab_ids if with_q else None,
-            generator=torch.Generator().manual_seed(seed + i) if seeded and not settings_.greedy else None)
+            params=settings_, draft_token_ids=drafts.tolist(), draft_probs=None if probs is None else probs.to(device),
+            draft_parents=None, draft_vocab=device_ids if with_q else None,
+            generator=torch.Generator(device).manual_seed(seed + i) if seeded and not settings_.greedy else None)
         seqs.append(ScheduledSeq(request, fed_before + n, n, True))
-    return seqs, batch, q, logits
+    return seqs, batch, q, logits.to(device)
 
 
 def today(seqs, q, logits):
@@ -81,6 +82,31 @@ def test_the_fixed_shape_gives_the_ragged_paths_tokens(seed, mode, seeded):
     torch.manual_seed(seed)
     acceptance = FixedAcceptance(torch.device("cpu"), capture=False)
     assert acceptance.accept(seqs, batch, q, logits) == want
+
+
+def steps_on_one_acceptance(device: str, capture: bool, count: int) -> None:
+    """count random steps through one FixedAcceptance (its buffers reused, on a GPU its graphs replayed), each
+    checked against the ragged path; the logits sit in one buffer per (B, q), as the static runner's do."""
+    acceptance, buffers = FixedAcceptance(torch.device(device), capture=capture), {}
+    for seed in range(count):
+        mode = ("none", "full", "mapped")[seed % 3]
+        seqs, batch, q, logits = random_step(seed % 12, mode, seeded=seed % 2 == 0, device=device)
+        torch.manual_seed(seed)
+        want = today(seqs, q, logits)
+        reseed(seqs, seed % 12)
+        torch.manual_seed(seed)
+        buffer = buffers.setdefault((batch, q), torch.empty_like(logits))
+        assert acceptance.accept(seqs, batch, q, buffer.copy_(logits)) == want, seed
+    assert acceptance.steps == count and len(acceptance.shapes) < count  # shapes were used again
+
+
+def test_one_acceptance_serves_many_steps():
+    steps_on_one_acceptance("cpu", capture=False, count=36)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_graph_replays_give_the_ragged_paths_tokens_on_a_gpu():
+    steps_on_one_acceptance("cuda", capture=True, count=48)
 
 
 def test_the_draws_stay_the_ragged_paths_so_seeded_requests_reproduce():
