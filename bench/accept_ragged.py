@@ -7,6 +7,11 @@ built beside a drafter with q) padded to [B, K, V], then the padded acceptance. 
 ragged path, specdec.engine.sampler._draft_q + specdec.verify.accept_ragged, on the target rows as they
 come out of the verify forward and q in the drafter's own vocabulary.
 
+Beside them, the whole of the sampler's phase from the target's logits (processing, uniforms, acceptance, the
+host copy): "sampler", today's ragged path (specdec.engine.sampler._sample_chains), and "fixed", acceptance on
+the verify step's fixed shape (specdec.engine.fixed_acceptance.FixedAcceptance: one CUDA graph replay on a GPU).
+Their logits are log(target), every row sampled at T = 1 (--top-p < 1 adds the cut and its sort to both).
+
 Three drafters per batch size: "deterministic" (n-gram: no q), "draft model" (q over the target
 vocabulary) and "eagle3" (q over a reduced draft vocabulary, the head's d2t).  Every row carries K drafts
 sampled from q (or from the target row for the deterministic drafter); rows are unseeded (global RNG).
@@ -23,6 +28,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
+import types
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -34,7 +40,10 @@ from torch.utils._pytree import tree_leaves  # noqa: E402
 
 from bench.common import environment, sync, timed, write_json  # noqa: E402
 from bench.padded_accept import pad_step, padded_accept  # noqa: E402
-from specdec.engine.sampler import _draft_q  # noqa: E402
+from specdec.engine.fixed_acceptance import FixedAcceptance  # noqa: E402
+from specdec.engine.sampler import _draft_q, _sample_chains  # noqa: E402
+from specdec.engine.scheduler import ScheduledSeq  # noqa: E402
+from specdec.sampling import SamplingParams  # noqa: E402
 from specdec.verify import accept_ragged, in_target_vocab  # noqa: E402
 
 DRAFTERS = ("deterministic", "draft model", "eagle3")
@@ -98,6 +107,18 @@ def new_step(step: Step):
     return accept_ragged(step.target, draft_ids, [len(d) for d in step.drafts], q)
 
 
+def scheduled(step: Step, params: SamplingParams) -> list[ScheduledSeq]:
+    """The step's rows as the engine's scheduled verify sequences (the request fields the sampler reads)."""
+    return [ScheduledSeq(types.SimpleNamespace(
+        params=params, draft_token_ids=d, draft_probs=q, draft_vocab=None if q is None else step.draft_vocab,
+        draft_parents=None, generator=None), 1 + len(d), len(d), True) for d, q in zip(step.drafts, step.q)]
+
+
+def sampler_step(step: Step, seqs: list[ScheduledSeq], logits: torch.Tensor) -> list[list[int]]:
+    """Today's sampler on logits [B (K+1), V]: processing, then the ragged acceptance."""
+    return _sample_chains(seqs, list(logits.split([1 + len(d) for d in step.drafts])))
+
+
 class AllocationCounter(TorchDispatchMode):
     """Sums the bytes of the fresh storages operations return (not views of, or in-place writes to, inputs)."""
 
@@ -132,13 +153,20 @@ def measure(drafter: str, batch: int, args, device) -> dict:
     step = make_step(drafter, batch, args.k, args.vocab, args.draft_vocab, device)
     row = {"drafter": drafter, "batch": batch, "k": args.k, "vocab": args.vocab,
            "draft_vocab": args.draft_vocab if drafter == "eagle3" else None}
-    for name, fn in (("old", lambda: old_step(step)), ("new", lambda: new_step(step))):
+    seqs, logits = scheduled(step, SamplingParams(temperature=1.0, top_p=args.top_p)), step.target.log()
+    fixed = FixedAcceptance(device, capture=device.type == "cuda")
+    runs = (("old", lambda: old_step(step)), ("new", lambda: new_step(step)),
+            ("sampler", lambda: sampler_step(step, seqs, logits)),
+            ("fixed", lambda: fixed.accept(seqs, batch, args.k + 1, logits)))
+    for name, fn in runs:
         seconds = timed(fn, device, repeats=args.repeats, warmup=1)
         sync(device)
         nbytes, peak = allocated(fn)
         row[name] = {"ms": round(seconds * 1e3, 3), "allocated_mb": round(nbytes / 1e6, 1),
                      "cuda_peak_mb": None if peak is None else round(peak / 1e6, 1)}
     row["speedup"] = round(row["old"]["ms"] / row["new"]["ms"], 2)
+    row["fixed_speedup"] = round(row["sampler"]["ms"] / row["fixed"]["ms"], 2)  # the whole phase, from logits
+    row["top_p"] = args.top_p
     return row
 
 
@@ -152,6 +180,7 @@ def main() -> int:
     p.add_argument("--draft-vocab", type=int, default=32000, help="eagle3's reduced draft vocabulary")
     p.add_argument("--drafters", default=",".join(DRAFTERS))
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--top-p", type=float, default=1.0, help="the sampler rows' top-p (< 1: the cut's sort too)")
     args = p.parse_args()
     device = torch.device(args.device)
     rows = []
@@ -160,7 +189,9 @@ def main() -> int:
             rows.append(measure(drafter, batch, args, device))
             r = rows[-1]
             print(f"B={batch:3d} {drafter:13s} old {r['old']['ms']:9.2f} ms {r['old']['allocated_mb']:8.1f} MB | "
-                  f"new {r['new']['ms']:9.2f} ms {r['new']['allocated_mb']:8.1f} MB | x{r['speedup']}", flush=True)
+                  f"new {r['new']['ms']:9.2f} ms {r['new']['allocated_mb']:8.1f} MB | x{r['speedup']} || "
+                  f"sampler {r['sampler']['ms']:9.2f} ms | fixed {r['fixed']['ms']:9.2f} ms | x{r['fixed_speedup']}",
+                  flush=True)
     write_json(args.out, {"environment": environment(device), "threads": torch.get_num_threads(), "rows": rows})
     return 0
 
