@@ -12,7 +12,7 @@ import torch
 from specdec import LLM, SamplingParams
 from specdec.errors import ConfigError
 from specdec.speculate import SpecConfig
-from tests.broken_verify import accept_everything
+from tests.broken_verify import accept_everything, accept_everything_fixed
 from tests.checkpoints import save_tiny
 from tests.stats import chi_square_p
 from tests.test_qwen3_5 import build_hf
@@ -185,12 +185,16 @@ def check_sampled_token2(path, spec: SpecConfig, n: int, broken: bool, monkeypat
     more LLM options): the second token follows the target's exact marginal, with enough drafts kept and rejected
     to tell; with broken, an accept-everything verifier, the same check fails."""
     import specdec.engine.sampler as sampler
+    import specdec.fixed_accept as fixed_accept
 
     if broken:
         monkeypatch.setattr(sampler, "accept_ragged", accept_everything)
+        monkeypatch.setattr(fixed_accept, "accept_fixed", accept_everything_fixed)  # fixed-shape steps' acceptance
     prompt = [5, 17, 30, 2, 9, 41]
     llm = LLM(path, device="cpu", kv_cache_tokens=16384, block_size=4, max_num_seqs=256, speculator=spec, **engine)
     outs = llm.generate([prompt] * n, SamplingParams(max_tokens=3, temperature=1.0, ignore_eos=True))
+    static = llm.engine.runner.static
+    assert static is None or static.acceptance.steps > 0  # with static_shapes, acceptance ran on the fixed shapes
     marginal = _token2_marginal(path, prompt)
     counts = np.bincount([o.token_ids[1] for o in outs], minlength=len(marginal))
     p = chi_square_p(counts, marginal)
