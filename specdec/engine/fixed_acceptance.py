@@ -88,10 +88,11 @@ class FixedAcceptance:
     def accept(self, seqs: list[ScheduledSeq], batch: int, q: int, logits: torch.Tensor) -> list[list[int]]:
         """Each sequence's emitted tokens (accepted drafts + one) after a (batch, q) step whose logits rows are
         logits [batch q, V] (every row, padding included)."""
-        with_q = [s for s in seqs if s.num_drafts and s.request.draft_probs is not None]
+        sampled = [s for s in seqs if not s.request.params.greedy]
+        # q rows matter only beside a sampled sequence (greedy ones take the argmax)
+        with_q = [s for s in seqs if s.num_drafts and s.request.draft_probs is not None] if sampled else []
         width = with_q[0].request.draft_probs.shape[-1] if with_q else 0
         mapped = bool(with_q) and with_q[0].request.draft_vocab is not None
-        sampled = [s for s in seqs if not s.request.params.greedy]
         cuts = any(s.request.params.top_k > 0 or s.request.params.top_p < 1.0 for s in sampled)
         # a graph reads the logits buffer it was captured on; eagerly each step's logits are fresh
         key = (batch, q, bool(sampled), cuts, width, mapped, logits.data_ptr() if self.capture else None)
