@@ -166,3 +166,21 @@ def test_without_cuts_the_sort_free_processing_is_the_cut_one():
     off, ones = torch.zeros(6, dtype=torch.long), torch.ones(6)
     torch.testing.assert_close(processed_probs_tensors(logits, t, off, ones, cuts=False),
                                processed_probs_tensors(logits, t, off, ones), atol=1e-6, rtol=0)
+
+
+def test_trees_and_mixed_draft_vocabularies_take_the_ragged_path():
+    from specdec.engine.fixed_acceptance import eligible
+
+    vocab_ids = torch.arange(DRAFT_VOCAB)
+
+    def seq(q_width=None, parents=None):
+        request = types.SimpleNamespace(
+            params=SETTINGS[1], draft_token_ids=[1, 2], draft_parents=parents, generator=None,
+            draft_probs=None if q_width is None else torch.rand(2, q_width).softmax(-1),
+            draft_vocab=vocab_ids if q_width == DRAFT_VOCAB else None)
+        return ScheduledSeq(request, 3, 2, True)
+
+    assert eligible([seq(), seq(DRAFT_VOCAB), seq(DRAFT_VOCAB)])  # deterministic drafts beside one draft vocabulary
+    assert eligible([seq(VOCAB), seq()])
+    assert not eligible([seq(), seq(parents=[-1, 0])])  # a tree
+    assert not eligible([seq(VOCAB), seq(DRAFT_VOCAB)])  # q over the target vocabulary beside a draft vocabulary
