@@ -18,6 +18,8 @@ today's path (verify_tree.accept_tree).  Log-probs need nothing from here: they 
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 import torch
 
@@ -33,31 +35,42 @@ def eligible(seqs: list[ScheduledSeq]) -> bool:
     return len(vocabs) <= 1 and all(s.samples and s.tree_parents is None for s in seqs)
 
 
-class _Layout:
-    """A (B, q) shape's staged inputs as views of one flat long buffer (numpy or torch): drafts [B, q-1],
-    test_index [B, q-1] (each draft's uniform in the drawn tests, 0 for greedy / padding), q_rows [B, q-1]
-    (each draft's row of the staged q, -1: one-hot), then per sequence num_drafts, first, greedy, top_k,
-    race_index (its row of the drawn race uniforms), temperature and top_p (float64 bits)."""
+class _Inputs(NamedTuple):
+    """A (B, q) step's staged inputs, views of one flat long buffer (numpy on the host, torch on the device)."""
 
-    def __init__(self, batch: int, q: int):
-        self.batch, self.k = batch, q - 1
-        self.size = 3 * batch * self.k + 7 * batch
+    drafts: object  # [B, q-1] each sequence's drafts, then 0
+    test_index: object  # [B, q-1] each draft's uniform among the drawn tests (greedy and padding: 0, unread)
+    q_rows: object  # [B, q-1] each draft's row of the stacked q (-1: one-hot)
+    num_drafts: object  # [B]
+    first: object  # [B] the row of the sequence's q rows that scores draft 0
+    greedy: object  # [B] 0 / 1 (padding sequences: 1)
+    top_k: object  # [B]
+    race_index: object  # [B] the sequence's row of the drawn race uniforms (greedy and padding: 0, unread)
+    temperature: object  # [B] float64 bits
+    top_p: object  # [B] float64 bits
 
-    def views(self, flat):
-        b, k = self.batch, self.k
-        grid = [flat[i * b * k:(i + 1) * b * k].reshape(b, k) for i in range(3)]
-        rows = [flat[3 * b * k + i * b:3 * b * k + (i + 1) * b] for i in range(7)]
-        return grid + rows  # drafts, test_index, q_rows, num_drafts, first, greedy, top_k, race_index, T, top_p
+    @staticmethod
+    def size(batch: int, q: int) -> int:
+        return 3 * batch * (q - 1) + 7 * batch
+
+    @staticmethod
+    def of(flat, batch: int, q: int) -> _Inputs:
+        """Three [B, q-1] grids, then seven [B] rows.  Example: B = 2, q = 3: drafts flat[0:4], test_index
+        flat[4:8], q_rows flat[8:12], num_drafts flat[12:14], ..., top_p flat[24:26]."""
+        k = q - 1
+        grids = [flat[i * batch * k:(i + 1) * batch * k].reshape(batch, k) for i in range(3)]
+        rows = [flat[3 * batch * k + i * batch:3 * batch * k + (i + 1) * batch] for i in range(7)]
+        return _Inputs(*grids, *rows)
 
 
 class _Shape:
     """One shape's static buffers (and its graph)."""
 
     def __init__(self, batch: int, q: int, logits: torch.Tensor, width: int, device: torch.device, scratch):
-        self.layout = _Layout(batch, q)
+        self.batch, self.q = batch, q
         self.logits = logits.view(batch, q, -1)  # [B, q, V], the runner's buffer
-        self.inputs = torch.zeros(self.layout.size, dtype=torch.long, device=device)
-        self.staging = torch.zeros(self.layout.size, dtype=torch.long, pin_memory=device.type == "cuda")
+        self.inputs = torch.zeros(_Inputs.size(batch, q), dtype=torch.long, device=device)
+        self.staging = torch.zeros(_Inputs.size(batch, q), dtype=torch.long, pin_memory=device.type == "cuda")
         self.u_test = torch.zeros(max(1, batch * (q - 1)), device=device)  # [<= B (q-1)] drawn ragged
         self.u_race = scratch("race", batch, self.logits.shape[-1])  # [<= B, V] drawn rows
         self.q_probs = scratch(f"q{width}", batch * (q - 1), width) if width else None  # [<= B (q-1), V_q] stacked
@@ -68,12 +81,15 @@ class _Shape:
 
 
 class FixedAcceptance:
+    """Acceptance of a static runner's steps on their fixed shapes (the module's note); `accept` per step."""
+
     def __init__(self, device: torch.device, capture: bool, pool=None):
         self.device = device
         self.capture = capture and device.type == "cuda"
         self.pool = pool  # the static runner's graph pool: the forward's and the acceptance's temporaries share it
         self.shapes: dict[tuple, _Shape] = {}
         self.vocab_ids: dict[int, torch.Tensor] = {}  # per q width: the staged draft vocabulary ([V_q] target ids)
+        self.vocab_of: dict[int, torch.Tensor] = {}  # per q width: the drafter's tensor staged there
         self.steps = 0  # steps accepted here
         self.scratch: dict[str, torch.Tensor] = {}  # the large float32 inputs, shared by every shape
 
@@ -109,27 +125,28 @@ class FixedAcceptance:
 
     def _stage(self, shape: _Shape, seqs, with_q, sampled) -> None:
         """The drafts and settings in one copy; the sampled sequences' uniforms and the q rows into their
-        buffers."""
-        host = shape.layout.views(shape.staging.numpy())
-        drafts, test_index, q_rows, n, first, greedy, top_k, race_index, temperature, top_p = host
+        buffers.  Draws and q rows are stacked in batch order over the sequences that have them.  Example:
+        greedy, sampled (2 drafts), sampled (1 draft): the tests drawn are [u0, u1, u2] and the race rows
+        [r0, r1], so test_index = ((0, 0), (0, 1), (2, 0)) and race_index = (0, 0, 1)."""
+        host = _Inputs.of(shape.staging.numpy(), shape.batch, shape.q)
+        temperature, top_p = host.temperature.view(np.float64), host.top_p.view(np.float64)
         shape.staging.zero_()
-        q_rows[:] = -1
-        greedy[:] = 1  # padding sequences: greedy, nothing drawn for them
-        temperature, top_p = temperature.view(np.float64), top_p.view(np.float64)
+        host.q_rows[:] = -1
+        host.greedy[:] = 1  # padding sequences: greedy, nothing drawn for them
         top_p[:] = 1.0
         at_test, at_race, at_q, has_q = 0, 0, 0, {id(s) for s in with_q}
         for i, seq in enumerate(seqs):
             k, params = seq.num_drafts, seq.request.params
-            drafts[i, :k] = seq.request.draft_token_ids[:k]
-            n[i], first[i] = k, seq.num_new - 1 - k
-            greedy[i], top_k[i], temperature[i], top_p[i] = params.greedy, params.top_k, params.temperature, \
-                params.top_p
+            host.drafts[i, :k] = seq.request.draft_token_ids[:k]
+            host.num_drafts[i], host.first[i] = k, seq.num_new - 1 - k
+            host.greedy[i], host.top_k[i], temperature[i], top_p[i] = \
+                params.greedy, params.top_k, params.temperature, params.top_p
             if not params.greedy:  # its uniforms: drawn after the earlier sampled sequences' (_draw_uniforms)
-                test_index[i, :k] = np.arange(at_test, at_test + k)
-                race_index[i] = at_race
+                host.test_index[i, :k] = np.arange(at_test, at_test + k)
+                host.race_index[i] = at_race
                 at_test, at_race = at_test + k, at_race + 1
             if id(seq) in has_q:  # its q rows: stacked after the earlier sequences'
-                q_rows[i, :k] = np.arange(at_q, at_q + k)
+                host.q_rows[i, :k] = np.arange(at_q, at_q + k)
                 at_q += k
         shape.inputs.copy_(shape.staging, non_blocking=True)
         if sampled:
@@ -140,10 +157,13 @@ class FixedAcceptance:
 
     def _stage_vocab(self, width: int, vocab_ids: torch.Tensor) -> None:
         """The draft vocabulary's target ids in a static buffer per q width (copied when it changes)."""
+        if self.vocab_of.get(width) is vocab_ids:
+            return
         staged = self.vocab_ids.get(width)
         if staged is None:
             staged = self.vocab_ids[width] = torch.zeros(width, dtype=torch.long, device=self.device)
         staged.copy_(vocab_ids)
+        self.vocab_of[width] = vocab_ids
 
     def _run(self, shape: _Shape, key: tuple) -> None:
         if not self.capture:
@@ -161,16 +181,15 @@ class FixedAcceptance:
     def _body(self, shape: _Shape, key: tuple) -> None:
         """The graph's work: the shape's staged inputs -> out [B, 1 + q]."""
         _, _, any_sampled, cuts, width, mapped, _ = key
-        drafts, test_index, q_rows, n, first, greedy, top_k, race_index, temperature, top_p = \
-            shape.layout.views(shape.inputs)
-        vocab = shape.logits.shape[-1]
+        x = _Inputs.of(shape.inputs, shape.batch, shape.q)
         draft_q = None
         if width:
-            draft_q = fixed_accept.device_q(shape.q_probs, q_rows, self.vocab_ids[width] if mapped else None, vocab)
+            ids = self.vocab_ids[width] if mapped else None
+            draft_q = fixed_accept.device_q(shape.q_probs, x.q_rows, ids, shape.logits.shape[-1])
         a, tokens = fixed_accept.accept_fixed(
-            shape.logits, first, drafts, n, greedy.bool(), temperature.view(torch.float64).float(), top_k,
-            top_p.view(torch.float64).float(), shape.u_test[test_index], shape.u_race.index_select(0, race_index),
-            draft_q, cuts=cuts, any_sampled=any_sampled)
+            shape.logits, x.first, x.drafts, x.num_drafts, x.greedy.bool(), x.temperature.view(torch.float64).float(),
+            x.top_k, x.top_p.view(torch.float64).float(), shape.u_test[x.test_index],
+            shape.u_race.index_select(0, x.race_index), draft_q, cuts=cuts, any_sampled=any_sampled)
         shape.out[:, 0] = a
         shape.out[:, 1:] = tokens
 
