@@ -21,7 +21,7 @@ import torch
 from specdec.sampling import processed_probs_tensors
 from specdec.verify import _assemble, _DeviceQ, _exponential_race, _last_distribution, _passes
 
-__all__ = ["accept_fixed", "fixed_q"]
+__all__ = ["accept_fixed", "device_q", "fixed_q"]
 
 
 def accept_fixed(logits: torch.Tensor, first: torch.Tensor, drafts: torch.Tensor, num_drafts: torch.Tensor,
