@@ -262,6 +262,27 @@ def test_fixed_shape_verify_steps_keep_outputs(qwen3_dir, drafter_dir, plain, me
     assert any(q > 1 for q in accepted)  # and were accepted on it
 
 
+def test_seeded_sampled_replies_are_the_same_on_either_acceptance_path(qwen3_dir, drafter_dir, monkeypatch):
+    """Seeded requests at T 1, at T 0.8 with top-p 0.9 and with top-k, and a greedy one, verifying a draft model's
+    sampled drafts (its q) on fixed-shape steps: the replies with acceptance on the fixed shapes are those of the
+    ragged path (the same forwards, the same draws from each request's generator)."""
+    import specdec.engine.sampler as sampler
+
+    settings = [dict(temperature=1.0), dict(temperature=0.8, top_p=0.9), dict(temperature=0.7, top_k=5), {}]
+    params = [SamplingParams(max_tokens=16, seed=i, ignore_eos=True, **{"temperature": 0.0, **settings[i % 4]})
+              for i in range(6)]
+    spec = SpecConfig("draft", model=str(drafter_dir), num_draft_tokens=3, adaptive=False)
+    replies = []
+    for fixed in (True, False):
+        if not fixed:
+            monkeypatch.setattr(sampler, "eligible", lambda seqs: False)
+        llm = spec_llm(qwen3_dir, spec, static_shapes=True, max_graph_batch=8)
+        replies.append([o.token_ids for o in llm.generate(mixed_prompts(), params)])
+        assert (llm.engine.runner.static.acceptance.steps > 0) == fixed
+        assert llm.engine.metrics()["accepted_tokens"] > 0
+    assert replies[0] == replies[1]
+
+
 def test_frozen_shapes_keep_outputs_with_a_drafter(qwen3_dir, drafter_dir, plain):
     """As after start-up capture on a GPU: the target's and the drafter's shape sets are frozen, and every
     step outside them (prefills, the drafter's catch-ups) runs eagerly; outputs stay the plain ones."""
