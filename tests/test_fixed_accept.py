@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from specdec.engine.fixed_acceptance import FixedAcceptance
 from specdec.engine.sampler import _sample_chains
 from specdec.engine.scheduler import ScheduledSeq
-from specdec.fixed_accept import accept_fixed, fixed_q
+from specdec.fixed_accept import accept_fixed, device_q, fixed_q
 from specdec.sampling import SamplingParams, processed_probs_rows
 from specdec.verify import DraftQ, accept_ragged
 
@@ -184,3 +184,25 @@ def test_trees_and_mixed_draft_vocabularies_take_the_ragged_path():
     assert eligible([seq(VOCAB), seq()])
     assert not eligible([seq(), seq(parents=[-1, 0])])  # a tree
     assert not eligible([seq(VOCAB), seq(DRAFT_VOCAB)])  # q over the target vocabulary beside a draft vocabulary
+
+
+@pytest.mark.parametrize("cuts,any_sampled,with_q", [(True, True, True), (False, True, False), (True, False, True)])
+def test_the_function_reads_no_value_on_the_host_and_makes_no_data_dependent_shape(cuts, any_sampled, with_q):
+    """What a CUDA graph needs, checked on a CPU: accept_fixed (and device_q's column map) run on fake tensors,
+    which hold no values, so neither a host read (.item(), .tolist(), a branch on a value) nor an op whose output
+    shape depends on values (boolean-mask indexing, nonzero) can run; such an op does raise there (the control)."""
+    from torch._subclasses.fake_tensor import DynamicOutputShapeException, FakeTensorMode
+
+    batch, q, long = 4, 3, dict(dtype=torch.long)
+    mode = FakeTensorMode()
+    fake = [mode.from_tensor(t) for t in (
+        torch.randn(batch, q, VOCAB), torch.zeros(batch, **long), torch.zeros(batch, q - 1, **long),
+        torch.ones(batch, **long), torch.zeros(batch, dtype=torch.bool), torch.ones(batch), torch.zeros(batch, **long),
+        torch.ones(batch), torch.rand(batch, q - 1), torch.rand(batch, VOCAB), torch.rand(batch * (q - 1), DRAFT_VOCAB),
+        torch.zeros(batch, q - 1, **long), torch.arange(DRAFT_VOCAB))]
+    with mode:
+        draft_q = device_q(fake[10], fake[11], fake[12], VOCAB) if with_q else None
+        a, tokens = accept_fixed(*fake[:10], draft_q, cuts=cuts, any_sampled=any_sampled)
+        assert a.shape == (batch,) and tokens.shape == (batch, q)
+        with pytest.raises(DynamicOutputShapeException):
+            fake[0][fake[4]]  # a boolean mask: its rows depend on the values
