@@ -206,3 +206,20 @@ def test_the_function_reads_no_value_on_the_host_and_makes_no_data_dependent_sha
         assert a.shape == (batch,) and tokens.shape == (batch, q)
         with pytest.raises(DynamicOutputShapeException):
             fake[0][fake[4]]  # a boolean mask: its rows depend on the values
+
+
+@pytest.mark.parametrize("key_tail", [(True, True, DRAFT_VOCAB, True), (True, False, VOCAB, False),
+                                      (False, False, 0, False)])
+def test_the_graphs_body_runs_on_fake_tensors_too(key_tail):
+    """FixedAcceptance's captured work (the staged inputs' views, the uniforms' gathers, the q rows) likewise."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from specdec.engine.fixed_acceptance import _Shape
+
+    sampled, cuts, width, mapped = key_tail
+    with FakeTensorMode():
+        acceptance = FixedAcceptance(torch.device("cpu"), capture=False)
+        shape = _Shape(4, 3, torch.randn(4 * 3, VOCAB), width, torch.device("cpu"), acceptance._scratch)
+        acceptance.vocab_ids[width] = torch.arange(width)
+        acceptance._body(shape, (4, 3, sampled, cuts, width, mapped, None))
+        assert shape.out.shape == (4, 4)
