@@ -11,6 +11,10 @@ is skipped: greedy only needs the argmax), whether any cuts top-k / top-p (else 
 rows (0: no q this step) and whether they are in a reduced draft vocabulary, and under graphs the logits
 buffer itself.
 
+Memory: the graphs' temporaries live in the static runner's graph pool, held for good: processing every row of
+the widest sampled shape, e.g. B q = 576 rows of V = 151,936 (350 MB a float32 copy), with the top-k / top-p sort
+(an int64 order beside it) takes a few GB there at its peak; memory.py's graph reserve (512 MB) does not count it.
+
 Which steps come here (sampler.sample_tokens decides, with `eligible`): the step ran on the static runner and
 every sequence samples with a chain of drafts (or none), all q rows in one draft vocabulary.  Draft trees take
 today's path (verify_tree.accept_tree).  Log-probs need nothing from here: they are read off the same rows.
