@@ -31,6 +31,10 @@ def save_with_mtp(hf, path, seed: int = 5, **save_kw):
 
 @pytest.fixture(scope="module")
 def target(tmp_path_factory):
+    return saved_target(tmp_path_factory)
+
+
+def saved_target(tmp_path_factory):
     """(text-only checkpoint with mtp.*, the plain engine's greedy continuations of PROMPTS: transformers' own, as
     tests/test_qwen3_5_engine.py checks)."""
     path = save_with_mtp(build_hf("two-full"), tmp_path_factory.mktemp("mtp"))

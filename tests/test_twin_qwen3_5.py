@@ -79,11 +79,11 @@ def test_twin_greedy_output_equals_the_small_model(hybrid_dir):
         [o.token_ids for o in plain.generate(PROMPTS[:3], GREEDY)]
 
 
-def mtp_run(path, twin=None, params=None) -> tuple[list[list[int]], list[list[int]], dict]:
+def mtp_run(path, twin=None, params=None, **spec) -> tuple[list[list[int]], list[list[int]], dict]:
     """(outputs, every drafted chain, engine metrics) of MTP speculation at k = 3, greedy and seeded sampling
-    (or `params`, one per prompt)."""
+    (or `params`, one per prompt); spec: more SpecConfig fields."""
     llm = LLM(path, device="cpu", kv_cache_tokens=2048, block_size=4, twin=twin,
-              speculator=SpecConfig("mtp", num_draft_tokens=3, adaptive=False))
+              speculator=SpecConfig("mtp", num_draft_tokens=3, adaptive=False, **spec))
     spec, drafts = llm.engine.speculator, []
     propose = spec.propose
 

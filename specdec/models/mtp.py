@@ -41,6 +41,7 @@ PREFIX = "mtp."
 class MTPConfig:
     layer: ModelConfig  # the head's decoder layer: the target's config cut to one full-attention layer
     target_layers: int  # the target's num_hidden_layers: its final feature's layer id
+    draft_vocab: int | None = None  # V_d of a reduced draft vocabulary (MTPHead.restrict_vocab); None: the target's
 
     @classmethod
     def for_target(cls, target: ModelConfig) -> "MTPConfig":
@@ -49,8 +50,8 @@ class MTPConfig:
 
     @property
     def draft_vocab_size(self) -> int:
-        """The head drafts over the target's whole vocabulary (as Eagle3Config's reduced one reads)."""
-        return self.layer.vocab_size
+        """Columns of the head's logits (as Eagle3Config's reads): the target's whole vocabulary, or V_d."""
+        return self.draft_vocab or self.layer.vocab_size
 
 
 class MTPHead(nn.Module):
@@ -71,6 +72,8 @@ class MTPHead(nn.Module):
         self.lm_head: nn.Linear | None = None
         self.rotary = None
         self.real_vocab: int | None = None  # a twin's: the model's vocabulary inside the LM head's padded one
+        #                                     (with a reduced vocabulary: the draft columns of real tokens)
+        self.draft_ids: torch.Tensor | None = None  # [V_d] sorted target ids of a reduced draft vocabulary
 
     def share_target(self, target) -> None:
         """Use the target's (a HybridCausalLM) embedding, LM head and rotary table."""
@@ -93,14 +96,41 @@ class MTPHead(nn.Module):
         return self.norm(x)
 
     def logits(self, states: torch.Tensor) -> torch.Tensor:
-        logits = self.lm_head(states)  # [N, V]: the states are normed already
+        logits = self.lm_head(states)  # [N, V_draft]: the states are normed already
         if self.real_vocab is not None:  # a twin's padded vocabulary is never drafted (twin_qwen3_5.make_mtp_twin)
             logits[:, self.real_vocab:] = float("-inf")
         return logits
 
-    def target_ids(self) -> None:
-        """None: the head drafts over the target's own vocabulary (no id map)."""
-        return None
+    def target_ids(self) -> torch.Tensor | None:
+        """[V_d] the target id of each draft column with a reduced vocabulary; None: the target's own (no map)."""
+        return self.draft_ids
+
+    def restrict_vocab(self, ids: torch.Tensor) -> None:
+        """Draft over these target ids only (sorted, distinct; FR-Spec's most frequent tokens, SGLang's speculative
+        token map): the LM head becomes a copy of those rows of the shared one [V_d, H], so a draft token's head
+        reads V_d rows, not V (the full head stays the target's).  Rejection sampling with q = 0 outside them
+        stays exact (verify.py).  On a twin (real_vocab set) ids at or past real_vocab are padding: being
+        sorted they are the last columns, masked as the full head's padded ones are."""
+        vocab = len(self.lm_head.weight)
+        ids = ids.to(self.lm_head.weight.device, torch.long)
+        if self.draft_ids is not None or ids.dim() != 1 or not len(ids) or not _sorted_within(ids, vocab):
+            raise ConfigError(f"a draft vocabulary is set once, as distinct sorted ids in [0, {vocab})")
+        if self.real_vocab is not None and ids[0] >= self.real_vocab:
+            raise ConfigError(f"every id of the draft vocabulary is a twin's padding (>= {self.real_vocab}): "
+                              "it needs some of the model's real tokens")
+        full = self.lm_head.weight  # [V, H]
+        self.lm_head = nn.Linear(full.shape[1], len(ids), bias=False, device="meta")
+        self.lm_head.weight = nn.Parameter(full[ids], requires_grad=False)  # [V_d, H]: indexing copies the rows
+        self.draft_ids = ids
+        self.config = dataclasses.replace(self.config, draft_vocab=len(ids))
+        if self.real_vocab is not None:  # the draft columns of real tokens: ids are sorted, so a prefix
+            real = int(torch.searchsorted(ids, self.real_vocab))
+            self.real_vocab = real if real < len(ids) else None
+
+
+def _sorted_within(ids: torch.Tensor, vocab: int) -> bool:
+    """ids [N] strictly increasing, all in [0, vocab)."""
+    return bool((ids[1:] > ids[:-1]).all()) and 0 <= int(ids[0]) and int(ids[-1]) < vocab
 
 
 # ---------------------------------------------------------------------------------------------- loading

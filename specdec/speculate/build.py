@@ -35,7 +35,7 @@ def build_speculator(config: SpecConfig, llm) -> tuple[Speculator, KController]:
     elif config.method == "eagle3":
         spec = _eagle3_speculator(config, llm)
     elif config.method == "mtp":
-        spec = _mtp_speculator(llm)
+        spec = _mtp_speculator(config, llm)
     else:
         from specdec.speculate.remote import RemoteSpeculator
 
@@ -177,9 +177,11 @@ def _head_graph_options(engine) -> dict:
                 max_context=engine.graph_context_bound, cuda_graphs=engine.config.cuda_graphs)
 
 
-def _mtp_speculator(llm):
-    """The target checkpoint's own MTP head (refused, saying why, when it has none); on a twin target, its twin."""
+def _mtp_speculator(config: SpecConfig, llm):
+    """The target checkpoint's own MTP head (refused, saying why, when it has none); on a twin target, its twin;
+    over the draft vocabulary config chooses, if any (speculate/draft_vocab.py)."""
     from specdec.models.mtp import load_mtp_head, read_required_mtp_head
+    from specdec.speculate.draft_vocab import draft_token_ids
     from specdec.speculate.mtp import MTPSpeculator
 
     dtype = llm.model.lm_head.weight.dtype
@@ -190,6 +192,10 @@ def _mtp_speculator(llm):
         head = make_mtp_twin(small, llm.model)
     else:
         head = load_mtp_head(llm.model_dir, llm.model, llm.device, dtype)
+    # a twin's vocabulary is its padded one: ids past the model's own are padding, masked (MTPHead.restrict_vocab)
+    ids = draft_token_ids(config.draft_token_map, config.draft_vocab_size, llm.model_dir, llm.model.config.vocab_size)
+    if ids is not None:
+        head.restrict_vocab(torch.tensor(ids))
     return MTPSpeculator(head, llm.engine.blocks, **_head_graph_options(llm.engine))
 
 

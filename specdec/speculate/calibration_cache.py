@@ -32,9 +32,13 @@ def cache_enabled() -> bool:
     return os.environ.get("SPECDEC_CALIBRATION_CACHE", "on").lower() not in ("off", "0", "false", "no")
 
 
+def cache_root() -> Path:
+    """$SPECDEC_CACHE_DIR, default ~/.cache/specdec: what specdec keeps between runs."""
+    return Path(os.environ.get("SPECDEC_CACHE_DIR") or Path.home() / ".cache" / "specdec")
+
+
 def cache_dir() -> Path:
-    root = os.environ.get("SPECDEC_CACHE_DIR") or Path.home() / ".cache" / "specdec"
-    return Path(root) / "calibration"
+    return cache_root() / "calibration"
 
 
 def calibration_key(engine, spec, candidates: list[int]) -> str:
@@ -79,12 +83,16 @@ def save_tables(key: str, target: StepCostTable, draft: StepCostTable | None,
     """Write the tables atomically (a reader never sees half a file); a cache that cannot be written is skipped."""
     raw = {"target": _points(target), "draft": _points(draft) if draft is not None else None,
            "verify": {str(k): _points(t) for k, t in verify.items()}}
-    directory = cache_dir()
+    write_json_atomically(cache_dir() / f"{key}.json", raw)
+
+
+def write_json_atomically(path: Path, raw) -> None:
+    """Write raw as JSON so that a reader never sees half a file; a cache that cannot be written is skipped."""
     try:
-        directory.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile("w", dir=directory, suffix=".tmp", delete=False) as f:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", dir=path.parent, suffix=".tmp", delete=False) as f:
             json.dump(raw, f)
-        os.replace(f.name, directory / f"{key}.json")
+        os.replace(f.name, path)
     except OSError:
         pass
 

@@ -27,6 +27,10 @@ class SpecConfig:
     timeout_s: float = 2.0  # remote: per-request timeout before falling back to no drafts
     draft_twin: str | None = None  # draft: run the drafter as a scaled twin of this shape (specdec.models.twin)
     tree_width: int = 1  # eagle3: candidates per depth, a draft tree of k * tree_width nodes (1: a chain)
+    # mtp: draft over a reduced vocabulary (speculate/draft_vocab.py), at most one of: a JSON file listing the
+    # target token ids, or the N most frequent ids of the target's tokenizer over the corpus text; None: all
+    draft_token_map: str | None = None
+    draft_vocab_size: int | None = None
 
     def __post_init__(self):
         self.validate()
@@ -54,12 +58,29 @@ class SpecConfig:
         if self.num_draft_tokens * self.tree_width > MAX_DRAFT_TOKENS:
             raise ConfigError(f"a tree of num_draft_tokens x tree_width = {self.num_draft_tokens} x {self.tree_width} "
                               f"nodes is more than the {MAX_DRAFT_TOKENS} drafts a step verifies: lower either")
+        self._validate_draft_vocab()
         if self.method == "remote" and not self.url:
             raise ConfigError("the remote speculator needs the /draft server's URL: --draft-url URL")
         if not self.timeout_s > 0:
             raise ConfigError(f"the remote drafter's timeout must be positive, got {self.timeout_s}")
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ConfigError(f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min}, {self.ngram_max}")
+
+    def _validate_draft_vocab(self) -> None:
+        """A reduced draft vocabulary is the mtp head's option: an EAGLE-3 head carries its own (d2t), and the
+        other drafters' q spans the target's vocabulary."""
+        chosen = [name for name, value in (("draft_token_map / --draft-token-map", self.draft_token_map),
+                                           ("draft_vocab_size / --draft-vocab-size", self.draft_vocab_size))
+                  if value is not None]
+        if chosen and self.method != "mtp":
+            raise ConfigError(f"{chosen[0]} sets the mtp speculator's draft vocabulary, not {self.method!r}'s (an "
+                              "EAGLE-3 head carries its own, d2t): leave it out")
+        if len(chosen) > 1:
+            raise ConfigError("draft_token_map / --draft-token-map and draft_vocab_size / --draft-vocab-size both "
+                              "choose the draft vocabulary: pass one")
+        size = self.draft_vocab_size
+        if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
+            raise ConfigError(f"draft_vocab_size / --draft-vocab-size must be a positive integer, got {size!r}")
 
 
 def add_spec_args(parser: argparse.ArgumentParser) -> None:
@@ -76,6 +97,12 @@ def add_spec_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--tree-width", type=int, default=1,
                        help="eagle3: candidates per draft depth, verified as a tree of k x width tokens (default 1: "
                             "a chain)")
+    group.add_argument("--draft-token-map", default=None, metavar="FILE",
+                       help="mtp: draft over these target token ids only, a JSON list of distinct ids, e.g. "
+                            "[0, 13, 198] (default: the whole vocabulary)")
+    group.add_argument("--draft-vocab-size", type=int, default=None, metavar="N",
+                       help="mtp: draft over the N most frequent token ids of the target's tokenizer over the "
+                            "bundled corpus's text (cached; default: the whole vocabulary)")
 
 
 def spec_config_from_args(args: argparse.Namespace) -> SpecConfig | None:
@@ -83,4 +110,5 @@ def spec_config_from_args(args: argparse.Namespace) -> SpecConfig | None:
         return None
     return SpecConfig(method=args.speculator, model=args.draft_model, num_draft_tokens=args.num_draft_tokens,
                       url=args.draft_url, adaptive=not args.fixed_k, draft_twin=args.draft_twin,
-                      timeout_s=args.draft_timeout, tree_width=args.tree_width)
+                      timeout_s=args.draft_timeout, tree_width=args.tree_width,
+                      draft_token_map=args.draft_token_map, draft_vocab_size=args.draft_vocab_size)

@@ -5,8 +5,10 @@ paged KV cache indexed by the target's block tables; after every target step `ob
 the step committed, the embedding of token p + 1 beside the target's feature at p; `propose` draws draft 1
 from its last output and chains k - 1 one-token forwards, each feeding the draft just drawn beside the head's
 own previous output.  What differs is only the head: its feature is the target's final-normed hidden state (one
-layer id, num_hidden_layers), it drafts over the target's whole vocabulary, its weights come from the target's
-own checkpoint, and it drafts chains only (the hybrid targets it serves verify no trees).  With the target's
+layer id, num_hidden_layers), it drafts over the target's whole vocabulary unless SpecConfig chooses a reduced one
+(speculate/draft_vocab.py: then its LM head is those rows and target_ids() maps its drafts, as an EAGLE-3 head's
+d2t does), its weights come from the target's own checkpoint, and it drafts chains only (the hybrid targets it
+serves verify no trees).  With the target's
 fixed-shape steps (CUDA graphs on a GPU) its forwards replay graphs too, as an EAGLE-3 head's do.  k = 1 is what
 the head was trained for; k > 1 feeds it its own output, as vLLM does.
 """
