@@ -10,6 +10,9 @@ seeded; --temperature 0: greedy), per k the steps taken, their mean time and the
 GPU:  python3 bench/spec_steps.py --out $OUT/spec-steps-h200.json
 CPU dry run (tiny, no twins):  python3 bench/spec_steps.py --device cpu --target-twin "" --draft-twin "" \\
           --prompts 2 --tokens 16 --out /tmp/spec-steps.json
+MTP configs' dry run:  python3 bench/spec_steps.py --device cpu --target ref-hybrid --target-twin "" \\
+          --configs plain,mtp-k1,mtp-k1-v32k,mtp-k2-v32k --mtp-draft-vocab 2048 --prompts 2 --tokens 16 \\
+          --out /tmp/spec-steps-mtp.json
 """
 
 from __future__ import annotations
@@ -221,6 +224,9 @@ def main(argv=None) -> int:
     parser.add_argument("--draft-twin", default="qwen3-0.6b")
     parser.add_argument("--head", default="ref-head", help="the EAGLE-3 head of the eagle3 configs")
     parser.add_argument("--head-twin", default="qwen3-8b", help="the head's twin shape (that of its target)")
+    parser.add_argument("--mtp-draft-vocab", type=int, default=32768,
+                        help="the draft vocabulary of the mtp-k*-v32k configs (the target tokenizer's most frequent "
+                             "ids; lower it on a target of a smaller vocabulary run without a twin)")
     parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--batch", type=int, default=1, help="replies decoding together (1: the solo load)")
@@ -247,6 +253,10 @@ def main(argv=None) -> int:
     configs["ngram-adaptive-k8"] = SpecConfig("ngram", num_draft_tokens=8)
     configs.update({f"mtp-k{k}": SpecConfig("mtp", num_draft_tokens=k, adaptive=False) for k in (1, 2, 3, 4)})
     configs["mtp-adaptive-k4"] = SpecConfig("mtp", num_draft_tokens=4)  # a Qwen3.5 target's own MTP head
+    # the same head over a reduced draft vocabulary: a V_d-row LM head (on a twin, padded ids fill what the
+    # small tokenizer lacks, masked: the GEMV's cost is the real model's)
+    configs.update({f"mtp-k{k}-v32k": SpecConfig("mtp", num_draft_tokens=k, adaptive=False,
+                                                 draft_vocab_size=args.mtp_draft_vocab) for k in (1, 2)})
     configs["eagle3-adaptive-k7"] = SpecConfig("eagle3", num_draft_tokens=7, **head)
     for width, k in ((2, 7), (3, 5), (4, 4)):  # draft trees of at most 16 nodes (the Triton kernel's 17 rows)
         configs[f"eagle3-tree{width}-k{k}"] = SpecConfig("eagle3", num_draft_tokens=k, adaptive=False,
