@@ -72,12 +72,13 @@ def test_greedy_equals_plain_decoding_with_a_reduced_vocabulary(target, tmp_path
 
 
 def high_probability_gaps(path) -> list[int]:
-    """REDUCED less the two most likely second tokens of check_sampled_token2's prompt (some high-probability
-    tokens the head can never draft: their mass is the residual's alone)."""
+    """REDUCED less the ten most likely second tokens of check_sampled_token2's prompt: the tiny target's
+    distribution is flat, so what matters is the mass outside the vocabulary, which only the residual gives."""
     marginal = _token2_marginal(path, [5, 17, 30, 2, 9, 41])
-    top = np.argsort(-marginal)[:2].tolist()
-    assert marginal[top].sum() > 0.05, marginal[top]
-    return [t for t in REDUCED if t not in top]
+    top = set(np.argsort(-marginal)[:10].tolist())
+    ids = [t for t in REDUCED if t not in top]
+    assert 1 - marginal[ids].sum() > 0.3, marginal[ids].sum()
+    return ids
 
 
 @pytest.mark.parametrize("broken,static_shapes", [(False, False), (True, False), (False, True)])
@@ -205,7 +206,7 @@ def _heldout_text() -> str:
     ("[0, 299, 300, -1]", r"ids out of range \[0, 300\) of the target's vocabulary: \[300, -1\]"),
     ("[4, 5, 4, 7, 7]", r"ids listed more than once: \[4, 7\]"),
     (json.dumps(list(range(301))), r"301 ids, more than the target's vocabulary of 300"),
-])
+], ids=["not-json", "not-a-list", "a-float", "a-bool", "empty", "out-of-range", "repeated", "too-many"])
 def test_a_bad_token_map_is_refused_naming_the_file(tmp_path, content, message):
     path = tmp_path / "bad.json"
     path.write_text(content)
