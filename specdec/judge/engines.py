@@ -5,6 +5,10 @@ A command gets its port from the judge: every `{port}` in it is replaced by a fr
 up, a thread samples the peak memory of its process tree: GPU memory through NVML when the tree holds any,
 else resident memory (RSS).  A URL engine's memory is read from its /metrics
 (`*peak_memory_bytes{kind="device"|"rss"}` or `process_resident_memory_bytes`) where it has that.
+
+A launched engine runs in a session of its own, which `Engine.stop` ends (SIGTERM to the group, SIGKILL
+after 30 s); its environment names the judge (SPECDEC_PARENT_PID), so that `specdec serve` ends itself
+and its engine process if the judge is killed (SIGKILL) before it can stop it: specdec/parent_watch.py.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import httpx
 import psutil
 
 from specdec.judge.client import ENGINE_MEMORY_BYTES, fetch_metrics_sync, find_metric, http_get
+from specdec.parent_watch import child_env
 
 MIB = 1024 * 1024
 
@@ -206,8 +211,10 @@ class Engine:
             with open(self.log_path, "a") as log:
                 log.write(f"\n$ {shlex.join(argv)}\n")
                 log.flush()
+                # its own session (stop() signals the whole group); SPECDEC_PARENT_PID so that a specdec server
+                # ends itself if the judge is killed before it can stop it (specdec/parent_watch.py)
                 self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                             start_new_session=True)
+                                             start_new_session=True, env=child_env())
         self.healthy = False
 
     def ready(self) -> None:

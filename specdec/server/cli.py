@@ -35,8 +35,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from specdec.cli import engine_kwargs
     from specdec.server.app import create_app
     from specdec.server.engine_process import EngineProcess, EngineSpec
+    from specdec.parent_watch import exit_with_parent
     from specdec.server.process import serve
 
+    exit_with_parent()  # before the engine builds (minutes): a supervisor killed meanwhile must not leave us behind
     if args.tensor_parallel_size != 1:  # ranks > 0 would need rank 0's requests mirrored to them
         from specdec.errors import ConfigError
 
