@@ -128,6 +128,36 @@ def test_serve_sigterm_to_its_group_finishes_requests_and_stops_the_engine_proce
         time.sleep(0.1)
 
 
+def test_serve_ends_itself_and_its_engine_process_once_its_parent_is_killed(qwen3_dir):
+    """As when the judge is killed with SIGKILL: the process SPECDEC_PARENT_PID names goes, and so does serve."""
+    parent = subprocess.Popen(["sleep", "600"])  # the judge's stand-in, left unreaped (a zombie) once killed
+    port = free_port()
+    env = {**os.environ, "SPECDEC_PARENT_PID": str(parent.pid)}
+    process = subprocess.Popen(serve_command(qwen3_dir, port), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True, start_new_session=True, env=env)
+    try:
+        wait_listening(f"http://127.0.0.1:{port}", process, timeout_s=120)
+        children = psutil.Process(process.pid).children(recursive=True)
+        assert children and process.poll() is None  # the engine process; the parent lives, serve does too
+        parent.kill()
+        started = time.monotonic()
+        status = process.wait(10)
+        took = time.monotonic() - started
+        output = process.stdout.read()
+    finally:
+        parent.kill()
+        parent.wait()
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+    assert status == 1 and f"parent process {parent.pid} (SPECDEC_PARENT_PID) is gone" in output, output
+    assert took < 3.0, f"serve took {took:.1f} s to notice its parent was gone"
+    deadline = time.monotonic() + 5
+    while not all(gone(c.pid) for c in children):
+        assert time.monotonic() < deadline, f"left behind: {[c.pid for c in children if not gone(c.pid)]}"
+        time.sleep(0.1)
+
+
 def test_serve_a_model_that_cannot_be_built_exits_naming_the_problem(tmp_path):
     missing = tmp_path / "no-such-model"
     run = subprocess.run(serve_command(missing, free_port()), capture_output=True, text=True, timeout=120)
