@@ -3,6 +3,7 @@ once the judge is killed with SIGKILL; the judge names itself in its engines' en
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -130,3 +131,30 @@ def test_the_judge_names_itself_to_its_engines_and_stop_ends_their_whole_group(t
         engine.stop()
     assert wait_gone(group, 5.0), "a process of the engine's group outlived stop()"
     assert engine.exit_codes == [-signal.SIGTERM]
+
+
+def test_sigterm_to_the_judge_stops_the_engines_it_started(tmp_path):
+    """A graceful end by signal (a supervisor's SIGTERM) stops the engines too: they are in sessions of their own,
+    so the signal does not reach them, and Python's default would end the judge without its `finally`."""
+    never_healthy = "sh -c 'sleep 600'"
+    argv = [sys.executable, "-m", "specdec.cli", "judge", "--stock", never_healthy, "--candidate", never_healthy,
+            "--model", "m", "--layout", "together", "--quiet", "--out", str(tmp_path / "out")]
+    judge = subprocess.Popen(argv, env={**os.environ, "PYTHONPATH": str(REPO)}, stderr=subprocess.PIPE, text=True)
+    engines: list[int] = []
+    try:
+        deadline = time.monotonic() + 60
+        while len(engines) < 2 and time.monotonic() < deadline and judge.poll() is None:
+            time.sleep(0.1)
+            engines = [c.pid for c in psutil.Process(judge.pid).children()]
+        assert len(engines) == 2, "the judge did not launch both engines"
+        judge.send_signal(signal.SIGTERM)
+        status = judge.wait(60)
+        stopped = wait_gone(engines, 5.0)  # before the clean-up below kills whatever is left
+    finally:
+        kill_quietly([judge.pid])
+        judge.wait()
+        for group in engines:  # each engine leads a session (and process group) of its own
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(group, signal.SIGKILL)
+    assert status == 128 + signal.SIGTERM, judge.stderr.read()
+    assert stopped, "an engine outlived the judge's SIGTERM"

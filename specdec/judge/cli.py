@@ -4,7 +4,9 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import shlex
+import signal
 import sys
 from pathlib import Path
 
@@ -85,10 +87,28 @@ def judge_and_print(config: JudgeConfig, lead: list[str] = ()) -> int:
     from specdec.judge.run import run_judge
     from specdec.judge.summary import print_summary
 
-    record = run_judge(config)
+    with sigterm_as_exit():
+        record = run_judge(config)
     print_summary(Console(), record, lead)
     Console().print(f"record: {config.out / 'record.json'}\nreport: {config.out / 'report.html'}", highlight=False)
     return 0 if record["reason"] is None else 1
+
+
+@contextlib.contextmanager
+def sigterm_as_exit():
+    """While judging, SIGTERM raises SystemExit(143) so that the run's `finally` stops the engines it started:
+    Python's default would end the judge at once and leave them running (in sessions of their own, the signal
+    does not reach them).  A second SIGTERM is ignored, so that it cannot cut that stopping short."""
+
+    def terminate(sig: int, frame) -> None:
+        signal.signal(sig, signal.SIG_IGN)
+        raise SystemExit(128 + sig)
+
+    previous = signal.signal(signal.SIGTERM, terminate)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def serve_command(model: str, kv_cache_tokens: int, extra: str = "") -> str:
