@@ -21,6 +21,7 @@ from __future__ import annotations
 import os
 import sys
 import threading
+import time
 from collections.abc import Mapping
 
 import psutil
@@ -72,7 +73,7 @@ def kill_descendants() -> None:
 
 def _watch(pid: int, process: psutil.Process | None, poll_s: float) -> None:
     while process is not None and not is_gone(process):
-        threading.Event().wait(poll_s)
+        time.sleep(poll_s)
     sys.stderr.write(f"specdec: parent process {pid} ({ENV}) is gone: stopping this process and its children\n")
     sys.stderr.flush()
     kill_descendants()
