@@ -5,8 +5,10 @@ graceful shutdown looks like a kill; the requests in flight are finished either 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -156,6 +158,37 @@ def test_serve_ends_itself_and_its_engine_process_once_its_parent_is_killed(qwen
     while not all(gone(c.pid) for c in children):
         assert time.monotonic() < deadline, f"left behind: {[c.pid for c in children if not gone(c.pid)]}"
         time.sleep(0.1)
+
+
+def test_a_judge_killed_with_sigkill_leaves_no_server_behind(qwen3_dir, tmp_path):
+    """The defect end to end: `specdec judge` launching two `specdec serve` engines is SIGKILLed (as by
+    `timeout -s KILL`); every process it started, servers and engine processes, is gone soon after."""
+    engine = shlex.join(serve_command(qwen3_dir, "{port}"))
+    judge = subprocess.Popen([sys.executable, "-m", "specdec.cli", "judge", "--stock", engine, "--candidate", engine,
+                              "--model", "m", "--layout", "together", "--quiet", "--out", str(tmp_path / "out")],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    left: list[psutil.Process] = []
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and judge.poll() is None:  # both servers up, each with its engine
+            servers = psutil.Process(judge.pid).children()
+            if len(servers) == 2 and all(s.children() for s in servers):
+                break
+            time.sleep(0.2)
+        left = psutil.Process(judge.pid).children(recursive=True)
+        assert len(left) >= 4, f"the judge did not start both servers and their engines: {left}"
+        judge.kill()
+        deadline = time.monotonic() + 5
+        while any(not gone(p.pid) for p in left) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        survivors = [p.pid for p in left if not gone(p.pid)]
+    finally:
+        judge.kill()
+        judge.wait()
+        for p in left:
+            with contextlib.suppress(psutil.Error):
+                p.kill()
+    assert not survivors, f"still running 5 s after the judge was killed: {survivors}"
 
 
 def test_serve_a_model_that_cannot_be_built_exits_naming_the_problem(tmp_path):
