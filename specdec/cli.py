@@ -35,6 +35,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--piecewise-graphs", action=argparse.BooleanOptionalAction, default=None,
                         help="on a GPU, replay all but attention of eager (prefill / mixed) steps as CUDA graphs "
                              "(default: on with CUDA graphs, off with tensor parallelism)")
+    parser.add_argument("--fixed-acceptance", action=argparse.BooleanOptionalAction, default=None,
+                        help="on a GPU, accept decode / verify steps on their fixed shape as CUDA graphs (default: "
+                             "off with CUDA graphs until measured, on without them)")
     parser.add_argument("--no-fused-kernels", action="store_true",
                         help="on a GPU, run the plain PyTorch elementwise kernels instead of compiled fused ones")
     parser.add_argument("--attention-backend", choices=("sdpa", "triton"), default=None,
@@ -50,6 +53,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 max_num_batched_tokens=args.max_num_batched_tokens, twin=args.twin,
                 admission_batch=getattr(args, "admission_batch", None),
                 piecewise_graphs=getattr(args, "piecewise_graphs", None),
+                fixed_acceptance=getattr(args, "fixed_acceptance", None),
                 max_model_len=getattr(args, "max_model_len", None),
                 fused_kernels=False if getattr(args, "no_fused_kernels", False) else None,
                 attention_backend=getattr(args, "attention_backend", None),

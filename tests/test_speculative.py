@@ -283,6 +283,17 @@ def test_seeded_sampled_replies_are_the_same_on_either_acceptance_path(qwen3_dir
     assert replies[0] == replies[1]
 
 
+def test_fixed_acceptance_is_on_without_graphs_and_switched_by_the_config(qwen3_dir, drafter_dir):
+    """The default: acceptance on the fixed shapes where steps run without CUDA graphs (a CPU), opt-in where they
+    capture (EngineConfig.fixed_acceptance, until measured on a GPU); False keeps the sampler's ragged path."""
+    spec = SpecConfig("draft", model=str(drafter_dir), num_draft_tokens=3, adaptive=False)
+    params = SamplingParams(max_tokens=12, temperature=1.0, seed=3, ignore_eos=True)
+    for setting, used in ((None, True), (False, False), (True, True)):
+        llm = spec_llm(qwen3_dir, spec, static_shapes=True, max_graph_batch=8, fixed_acceptance=setting)
+        llm.generate(mixed_prompts(2), params)
+        assert (llm.engine.runner.static.acceptance.steps > 0) == used, setting
+
+
 def test_frozen_shapes_keep_outputs_with_a_drafter(qwen3_dir, drafter_dir, plain):
     """As after start-up capture on a GPU: the target's and the drafter's shape sets are frozen, and every
     step outside them (prefills, the drafter's catch-ups) runs eagerly; outputs stay the plain ones."""

@@ -67,6 +67,11 @@ class EngineConfig:
     # The choice is the process's (like fused_kernels): the last engine built sets it for every engine's later
     # steps.
     attention_backend: str | None = None
+    # Acceptance of decode / verify steps on their fixed shape (engine/fixed_acceptance.py: one graph replay and
+    # one copy back where the sampler's path launches ~20-30 kernels).  None: on where the steps run without
+    # CUDA graphs (the same function, eagerly: how the tests check it), and with graphs only when True, until
+    # the capture is measured on a GPU.
+    fixed_acceptance: bool | None = None
 
     def validate(self) -> None:
         if self.attention_backend not in (None, *ATTENTION_BACKENDS):
@@ -135,6 +140,9 @@ class Engine:
         set_attention_backend(self.attention_backend)  # before any graph is captured: graphs keep their choice
         self.runner = ModelRunner(model, self.kv_cache, self.device, self._static_runner(), self._piecewise_runner(),
                                   self.states)
+        static = self.runner.static
+        self.fixed_acceptance = static is not None and (
+            config.fixed_acceptance if config.fixed_acceptance is not None else not static.capture)
         # coalesced admissions: a fixed batch, or one sized from measured step costs (engine/admission.py)
         self.admission = AdmissionBatcher(config.max_num_seqs) if config.admission_batch is None else None
         self.scheduler = Scheduler(self.blocks, config.max_num_batched_tokens, config.max_num_seqs,
@@ -258,7 +266,8 @@ class Engine:
             return finished
         starts = [s.request.num_computed for s in seqs]
         logits = self._forward(seqs)  # per seq [1 + drafts, V] or empty
-        verdicts = sample_tokens(seqs, logits, self.runner.static if self.runner.static_step else None)
+        verdicts = sample_tokens(seqs, logits, self.runner.static if self.runner.static_step and self.fixed_acceptance
+                                 else None)
         if self.states is not None:  # a verified sequence's state advances by exactly the tokens it kept
             self.states.commit([s.num_new - s.num_drafts + len(v.tokens) - 1 for s, v in zip(seqs, verdicts)])
         for i, (seq, rows, verdict) in enumerate(zip(seqs, logits, verdicts)):
