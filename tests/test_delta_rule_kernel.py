@@ -346,3 +346,29 @@ def test_compiled_kernel_on_the_gpu():
         compiled.fused_recurrent(q, k, v, g, beta, pool, counts, write_outputs=False, slots=slots)
         close(pool[slots], advance(before[slots], grouped(k, v.shape[2]), v, g, beta, counts, shape[1]))
         assert untouched(pool, before, slots)
+
+
+@parent_only
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+@pytest.mark.parametrize("has_slots,store,has_counts,write_out", [(False, True, False, True), (False, True, True, False),
+                                                                  (True, True, False, True), (True, False, False, True),
+                                                                  (True, True, True, False)])
+def test_the_kernel_compiles_for_hopper(has_slots, store, has_counts, write_out):
+    """The interpreter runs the kernel as Python and so accepts code Triton's compiler refuses; compiling it to
+    PTX for sm_90 (no GPU needed) checks each mode the engine launches: decode / verify steps in place on the
+    pools (store on, or off for a deferred verify), the commit with counts, and the gathered form."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from specdec.kernels import delta_rule as compiled
+
+    pointers = {name: "*fp32" for name in ("q_ptr", "k_ptr", "v_ptr", "g_ptr", "beta_ptr", "state_ptr", "out_ptr",
+                                          "final_ptr")}
+    pointers.update(counts_ptr="*i64", slots_ptr="*i64")
+    constants = dict(T=2, HK=16, H=48, DK=128, DV=128, DK_PAD=128, BLOCK_V=32, HAS_COUNTS=has_counts,
+                     HAS_SLOTS=has_slots, STORE=store, WRITE_OUT=write_out)  # the Qwen3.5-27B layer's shape
+    source = ASTSource(fn=compiled._recurrent_kernel, signature={**pointers, **{k: "constexpr" for k in constants}},
+                       constexprs=constants)
+    ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
+    assert ".entry _recurrent_kernel" in ptx and "st.global" in ptx
