@@ -294,8 +294,8 @@ class Engine:
     def _forward(self, seqs: list[ScheduledSeq]) -> list[torch.Tensor]:
         """The target's forward of the step.  Drafts a speculator left on the device (engine/device_drafts.py)
         are fed from there where the fixed-shape runner takes the step, and read by the host only once the
-        forward is queued behind them, so the device never waits for the host's staging; elsewhere the host
-        reads them first."""
+        forward is queued behind them: the host stages the step while the device still drafts.  Elsewhere the
+        host reads them first."""
         speculator = self.speculator
         drafts = speculator.device_drafts if speculator is not None else None
         if drafts is not None and not self.runner.takes_device_drafts(seqs):
