@@ -31,6 +31,7 @@ from bench.common import environment, write_json  # noqa: E402
 from specdec.drafting.protocol import health_status, make_client  # noqa: E402
 from specdec.drafting.selfcheck import SelfCheckConfig, report, run_selfcheck, stop_process_group  # noqa: E402
 from specdec.drafting.verify import summary, verify  # noqa: E402
+from specdec.parent_watch import child_env  # noqa: E402
 
 HELDOUT = REPO / "bench" / "results" / "ref-target-heldout.jsonl"
 
@@ -55,7 +56,7 @@ def verify_against_fresh_server(args: argparse.Namespace) -> tuple[dict, dict]:
     """Start the server, wait for health, walk the whole held-out set; (record, server metrics)."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    process = subprocess.Popen(serve_command(args, port), shell=True, start_new_session=True)
+    process = subprocess.Popen(serve_command(args, port), shell=True, start_new_session=True, env=child_env())
     try:
         with make_client(1, 10.0) as client:
             start = time.monotonic()

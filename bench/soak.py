@@ -55,6 +55,8 @@ sys.path.insert(0, str(REPO))
 
 import httpx  # noqa: E402
 
+from specdec.parent_watch import child_env  # noqa: E402
+
 HELDOUT_PROMPTS = REPO / "specdec" / "assets" / "heldout-prompts.jsonl"
 GREEDY_KINDS = ("cmpl", "cmpl_stream", "chat", "chat_stream", "extra_fields")
 VALID_KINDS = GREEDY_KINDS + ("sampled", "sampled_stream")
@@ -365,7 +367,7 @@ class Servers:
         self.server: subprocess.Popen | None = None
         self.drafter_starts = 0
         path = os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])
-        self.env = {**os.environ, "PYTHONPATH": path, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+        self.env = {**child_env(), "PYTHONPATH": path, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
 
     def _spawn(self, argv: list[str], log_name: str) -> subprocess.Popen:
         with open(self.workdir / log_name, "ab") as log:

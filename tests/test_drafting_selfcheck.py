@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
 import socket
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -12,6 +15,7 @@ import pytest
 
 from specdec.cli import main
 from specdec.drafting.heldout import load_heldout
+from specdec.parent_watch import PARENT_GONE, child_env
 from specdec.drafting.selfcheck import SelfCheckConfig, run_selfcheck, spread_windows, url_from_launch
 from tests.checkpoints import save_tiny
 
@@ -81,3 +85,41 @@ def test_the_real_server_passes_every_gate(heldout, drafter_dir, tmp_path, capsy
     record = json.loads(out.read_text())
     assert record["passed"] and [g["number"] for g in record["gates"]] == [1, 2, 3, 4, 5, 6]
     assert "all gates pass" in printed and "projected" in printed
+
+
+def test_the_launched_command_is_told_whose_death_to_follow(heldout, drafter_dir, tmp_path):
+    """The self-check names itself in SPECDEC_PARENT_PID, so a server it launched ends if it is killed."""
+    log = tmp_path / "launch.log"
+    config = SelfCheckConfig('echo "parent=$SPECDEC_PARENT_PID"; exit 3', load_heldout(heldout),
+                             url=f"http://127.0.0.1:{free_port()}", drafter_dir=str(drafter_dir), vocab_size=96,
+                             timeout_s=2.0, startup_timeout_s=2.0)
+    run_selfcheck(config, log_path=log)
+    assert f"parent={os.getpid()}" in log.read_text()
+
+
+def test_draft_serve_ends_itself_once_its_parent_is_killed(drafter_dir):
+    parent = subprocess.Popen(["sleep", "600"])  # the supervisor's stand-in
+    port = free_port()
+    process = subprocess.Popen([sys.executable, "-m", "specdec.cli", "draft", "serve", str(drafter_dir), "--port",
+                                str(port), "--device", "cpu"], cwd=REPO, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True, env=child_env(parent.pid))
+    try:
+        deadline = time.monotonic() + 120
+        while not listening(port):
+            assert process.poll() is None and time.monotonic() < deadline, process.stdout.read() if \
+                process.poll() is not None else "draft serve never listened"
+            time.sleep(0.2)
+        parent.kill()
+        status = process.wait(10)
+    finally:
+        parent.kill()
+        parent.wait()
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    assert status == PARENT_GONE, process.stdout.read()
+
+
+def listening(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0

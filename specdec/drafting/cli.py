@@ -9,7 +9,9 @@ from specdec.drafting.protocol import DEFAULT_K
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from specdec.drafting.server import serve
+    from specdec.parent_watch import exit_with_parent
 
+    exit_with_parent()  # a supervisor (draft selfcheck, a bench) killed while we serve must not leave us behind
     serve(args.drafter, host=args.host, port=args.port, device=args.device, dtype=args.dtype,
           kv_cache_tokens=args.kv_cache_tokens, block_size=args.block_size, max_batch=args.max_batch)
     return 0

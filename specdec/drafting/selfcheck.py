@@ -22,6 +22,7 @@ from pathlib import Path
 
 from specdec.drafting.protocol import DEFAULT_K, DraftFailure, FailureTally, fetch_draft, health_status, make_client
 from specdec.drafting.verify import walk_conversations
+from specdec.parent_watch import child_env
 
 DEFAULT_PORT = 8100
 WINDOW_TOKENS = 76
@@ -163,8 +164,9 @@ def run_selfcheck(config: SelfCheckConfig, log_path: str | Path | None = None) -
     tally = FailureTally()
     log_path = log_path or tempfile.mkstemp(prefix="draft-selfcheck-", suffix=".log")[1]
     with open(log_path, "w") as log, make_client(config.concurrency, config.timeout_s) as client:
+        # SPECDEC_PARENT_PID: a `specdec draft serve` launched here ends itself if this check is killed
         process = subprocess.Popen(config.launch, shell=True, start_new_session=True, stdout=log,
-                                   stderr=subprocess.STDOUT)
+                                   stderr=subprocess.STDOUT, env=child_env())
         try:
             gates.append(wait_healthy(process, client, url, config.startup_timeout_s))
             if gates[-1].passed:
