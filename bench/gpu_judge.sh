@@ -10,7 +10,7 @@ python3 -c "import fastapi, uvicorn, pydantic; import specdec.server.app" || { e
 # busy = "KV cache nearly full" (JUDGE.md): every engine gets a KV cache of KV_TOKENS target tokens, small
 # enough that the judge's calibration (from the stock engine's /metrics) reaches >= 90 % use below
 # --max-num-seqs; a drafter gets a KV cache of the same number of tokens on top (within the memory slack).
-SERVE="python3 -m specdec.cli serve --device ${DEVICE:-cuda} --max-num-seqs 64 --kv-cache-tokens ${KV_TOKENS:-6000} --max-model-len 2048"
+SERVE="python3 -m specdec.cli serve --device ${DEVICE:-cuda} --max-num-seqs 64 --kv-cache-tokens ${KV_TOKENS:-6000} --max-model-len 2048 ${SERVE_EXTRA}"  # e.g. SERVE_EXTRA=--fixed-acceptance
 # team at JUDGE.md's default of 16 lanes, 16 prompts a pass (the 2026-12-03 records used 8 and 8: their passes
 # spread by +-10 %)
 JUDGE="python3 -m specdec.cli judge ${JUDGE_SIZES:---num-prompts 16 --max-tokens 64 --concurrency 16 \
