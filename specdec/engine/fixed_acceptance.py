@@ -74,14 +74,29 @@ class _Shape:
         self.batch, self.q = batch, q
         self.logits = logits.view(batch, q, -1)  # [B, q, V], the runner's buffer
         self.inputs = torch.zeros(_Inputs.size(batch, q), dtype=torch.long, device=device)
-        self.staging = torch.zeros(_Inputs.size(batch, q), dtype=torch.long, pin_memory=device.type == "cuda")
+        pinned = device.type == "cuda"
+        # Host buffers come in pairs taken in turn: with a step in flight (engine/overlap.py) the next step stages
+        # and copies back while the host has yet to read this one, so it must not reuse this step's buffers.
+        self.stagings = [torch.zeros(_Inputs.size(batch, q), dtype=torch.long, pin_memory=pinned) for _ in range(2)]
+        self.staged = [torch.cuda.Event() for _ in range(2)] if pinned else None  # the copies out of them done
         self.u_test = torch.zeros(max(1, batch * (q - 1)), device=device)  # [<= B (q-1)] drawn ragged
         self.u_race = scratch("race", batch, self.logits.shape[-1])  # [<= B, V] drawn rows
         self.q_probs = scratch(f"q{width}", batch * (q - 1), width) if width else None  # [<= B (q-1), V_q] stacked
         self.out = torch.zeros(batch, q + 1, dtype=torch.long, device=device)  # [B, 1 + q]: a_b, then tokens
-        self.host = torch.zeros_like(self.out, device="cpu", pin_memory=device.type == "cuda")
-        self.done = torch.cuda.Event() if device.type == "cuda" else None
+        self.hosts = [torch.zeros_like(self.out, device="cpu", pin_memory=pinned) for _ in range(2)]
+        self.done = [torch.cuda.Event() for _ in range(2)] if pinned else None  # the copies into them done
+        self.turn = 0  # the pair's buffers the next step takes
         self.graph: torch.cuda.CUDAGraph | None = None
+
+
+class Launched(NamedTuple):
+    """An accepted step whose result may still be on its way to the host (`FixedAcceptance.read` waits for it)."""
+
+    shape: _Shape
+    turn: int  # its host buffers
+    tokens: torch.Tensor  # [B, q] the step's emitted tokens on the device (shape.out's view, valid until the next
+    # step of this shape is accepted: one queued behind it on the stream reads the values this step left)
+    num_seqs: int
 
 
 class FixedAcceptance:
@@ -105,9 +120,9 @@ class FixedAcceptance:
             flat = self.scratch[name] = torch.zeros(rows * cols, device=self.device)
         return flat[:rows * cols].view(rows, cols)
 
-    def accept(self, seqs: list[ScheduledSeq], batch: int, q: int, logits: torch.Tensor) -> list[list[int]]:
-        """Each sequence's emitted tokens (accepted drafts + one) after a (batch, q) step whose logits rows are
-        logits [batch q, V] (every row, padding included)."""
+    def launch(self, seqs: list[ScheduledSeq], batch: int, q: int, logits: torch.Tensor) -> Launched:
+        """Queue the acceptance of a (batch, q) step whose logits rows are logits [batch q, V] (every row, padding
+        included) and the copy of its result to the host, without waiting for either (`read` does)."""
         sampled = [s for s in seqs if not s.request.params.greedy]
         # q rows matter only beside a sampled sequence (greedy ones take the argmax)
         with_q = [s for s in seqs if s.num_drafts and s.request.draft_probs is not None] if sampled else []
@@ -120,21 +135,30 @@ class FixedAcceptance:
         if shape is None:
             shape = self.shapes[key] = _Shape(batch, q, logits, width, self.device, self._scratch)
         shape.logits = logits.view(batch, q, -1)  # [B, q, V] (the same buffer, under a graph)
-        self._stage(shape, seqs, with_q, sampled)
+        turn, shape.turn = shape.turn, 1 - shape.turn
+        self._stage(shape, turn, seqs, with_q, sampled)
         if mapped:
             self._stage_vocab(width, with_q[0].request.draft_vocab)
         self._run(shape, key)
         self.steps += 1
-        return self._read(shape, seqs)
+        return self._copy_back(shape, turn, len(seqs))
 
-    def _stage(self, shape: _Shape, seqs, with_q, sampled) -> None:
+    def accept(self, seqs: list[ScheduledSeq], batch: int, q: int, logits: torch.Tensor) -> list[list[int]]:
+        """Each sequence's emitted tokens (accepted drafts + one) after a (batch, q) step whose logits rows are
+        logits [batch q, V] (every row, padding included)."""
+        return self.read(self.launch(seqs, batch, q, logits))
+
+    def _stage(self, shape: _Shape, turn: int, seqs, with_q, sampled) -> None:
         """The drafts and settings in one copy; the sampled sequences' uniforms and the q rows into their
         buffers.  Draws and q rows are stacked in batch order over the sequences that have them.  Example:
         greedy, sampled (2 drafts), sampled (1 draft): the tests drawn are [u0, u1, u2] and the race rows
         [r0, r1], so test_index = ((0, 0), (0, 1), (2, 0)) and race_index = (0, 0, 1)."""
-        host = _Inputs.of(shape.staging.numpy(), shape.batch, shape.q)
+        if shape.staged is not None:
+            shape.staged[turn].synchronize()  # the copy out of this buffer, two steps of this shape ago, is done
+        staging = shape.stagings[turn]
+        host = _Inputs.of(staging.numpy(), shape.batch, shape.q)
         temperature, top_p = host.temperature.view(np.float64), host.top_p.view(np.float64)
-        shape.staging.zero_()
+        staging.zero_()
         host.q_rows[:] = -1
         host.greedy[:] = 1  # padding sequences: greedy, nothing drawn for them
         top_p[:] = 1.0
@@ -152,7 +176,9 @@ class FixedAcceptance:
             if id(seq) in has_q:  # its q rows: stacked after the earlier sequences'
                 host.q_rows[i, :k] = np.arange(at_q, at_q + k)
                 at_q += k
-        shape.inputs.copy_(shape.staging, non_blocking=True)
+        shape.inputs.copy_(staging, non_blocking=True)
+        if shape.staged is not None:
+            shape.staged[turn].record()
         if sampled:
             _draw_uniforms([s.request.generator for s in sampled], [s.num_drafts for s in sampled],
                            shape.u_race.shape[1], self.device, out=(shape.u_test, shape.u_race))
@@ -197,13 +223,18 @@ class FixedAcceptance:
         shape.out[:, 0] = a
         shape.out[:, 1:] = tokens
 
-    def _read(self, shape: _Shape, seqs) -> list[list[int]]:
-        """The one device -> host copy of the result."""
-        if shape.done is None:
-            out = shape.out.tolist()
-        else:
-            shape.host.copy_(shape.out, non_blocking=True)
-            shape.done.record()
-            shape.done.synchronize()
-            out = shape.host.tolist()
-        return [row[1:row[0] + 2] for row, _ in zip(out, seqs)]
+    def _copy_back(self, shape: _Shape, turn: int, num_seqs: int) -> Launched:
+        """Queue the one device -> host copy of the result (on a CPU, made at once)."""
+        shape.hosts[turn].copy_(shape.out, non_blocking=shape.done is not None)
+        if shape.done is not None:
+            shape.done[turn].record()
+        return Launched(shape, turn, shape.out[:, 1:], num_seqs)
+
+    def read(self, launched: Launched) -> list[list[int]]:
+        """The launched step's emitted tokens per sequence, once its copy to the host is done (a GPU waits for
+        that copy's event only, not for work queued after it)."""
+        shape, turn = launched.shape, launched.turn
+        if shape.done is not None:
+            shape.done[turn].synchronize()
+        out = shape.hosts[turn][:launched.num_seqs].tolist()  # [n, 1 + q]: a_b, then tokens
+        return [row[1:row[0] + 2] for row in out]

@@ -183,6 +183,11 @@ class StaticRunner:
         shape (engine/fixed_acceptance.py; the sampler checks the sequences are eligible)."""
         return self.acceptance.accept(seqs, *self.step)
 
+    def launch_accept(self, seqs: list[ScheduledSeq]):
+        """As `accept`, but only queued: a fixed_acceptance.Launched whose tokens stay on the device until
+        `self.acceptance.read` brings them to the host (engine/overlap.py feeds the next step from them)."""
+        return self.acceptance.launch(seqs, *self.step)
+
     def precapture(self, qs: list[int]) -> int:
         """Capture (on a CPU: run) every (batch, q, context) shape for the given q values up front, largest
         batch first, so that no served step pays for a capture; afterwards other shapes run eagerly
