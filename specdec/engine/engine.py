@@ -11,6 +11,7 @@ import torch
 from specdec.engine.admission import AdmissionBatcher
 from specdec.engine.kv_cache import BlockManager, KVCache, num_blocks_for
 from specdec.engine.limits import RequestLimits
+from specdec.engine.overlap import InFlight, hold_pending, plain_decode, release_pending, schedules_alike
 from specdec.engine.request import Request, TokenLogprobs
 from specdec.engine.runner import ModelRunner
 from specdec.engine.sampler import sample_tokens
@@ -72,6 +73,12 @@ class EngineConfig:
     # CUDA graphs (the same function, eagerly: how the tests check it), and with graphs only when True, until
     # the capture is measured on a GPU.
     fixed_acceptance: bool | None = None
+    # Overlapped steps (engine/overlap.py, issue 21): the host schedules and launches a plain decode step while the
+    # one before it still runs on the device, feeding it that step's tokens from the device, and reads and commits
+    # that step only then.  Needs the fixed-shape runner, fixed acceptance and a model that is not hybrid.  None:
+    # on where the steps run without CUDA graphs (the same path, synchronous on a CPU: how the tests check it),
+    # off with graphs until measured on a GPU (as fixed_acceptance, which it needs, is).
+    overlap_steps: bool | None = None
 
     def validate(self) -> None:
         if self.attention_backend not in (None, *ATTENTION_BACKENDS):
@@ -143,6 +150,10 @@ class Engine:
         static = self.runner.static
         self.fixed_acceptance = static is not None and (
             config.fixed_acceptance if config.fixed_acceptance is not None else not static.capture)
+        self.overlap_steps = self._use_overlap()
+        self.in_flight: InFlight | None = None  # the step left in flight (engine/overlap.py), or None
+        self.finished_early: list[Request] = []  # finished at a commit outside step(), for the next step() to return
+        self._committed_at = 0.0  # time.perf_counter() at the last step's commit
         # coalesced admissions: a fixed batch, or one sized from measured step costs (engine/admission.py)
         self.admission = AdmissionBatcher(config.max_num_seqs) if config.admission_batch is None else None
         self.scheduler = Scheduler(self.blocks, config.max_num_batched_tokens, config.max_num_seqs,
@@ -153,7 +164,7 @@ class Engine:
         self.speculation = None  # speculate.speculation.Speculation: everything speculative, one object
         self.detokenize = detokenize  # ids -> text, needed for stop strings
         self.stats = {"steps": 0, "tokens_fed": 0, "tokens_emitted": 0, "drafts": 0, "draft_tokens": 0,
-                      "accepted_tokens": 0, "verify_steps": 0}
+                      "accepted_tokens": 0, "verify_steps": 0, "overlapped_steps": 0}
         self.accepted_per_position = [0] * 33  # [j]: drafts accepted at position j (0-based)
         # a list to record every step in (a StepRecord each; benches set it for a window, None: not recorded)
         self.trace: list[StepRecord] | None = None
@@ -167,6 +178,14 @@ class Engine:
                 raise ConfigError("attention_backend 'triton' needs the triton package: install it (it comes with "
                                   "CUDA builds of torch) or choose 'sdpa'")
         return self.config.attention_backend or default_attention_backend(self.device)
+
+    def _use_overlap(self) -> bool:
+        static, setting = self.runner.static, self.config.overlap_steps
+        possible = self.fixed_acceptance and self.states is None
+        if setting and not possible:
+            raise ConfigError("overlap_steps needs static_shapes and fixed_acceptance on (with CUDA graphs, "
+                              "fixed_acceptance=True) and a model that is not hybrid (Qwen3.5): leave it unset")
+        return possible and not static.capture if setting is None else setting
 
     def _static_runner(self):
         from specdec.engine.static_runner import StaticRunner
@@ -240,13 +259,29 @@ class Engine:
             self._on_finished(req)
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or self.in_flight is not None or bool(self.finished_early)
 
     # ------------------------------------------------------------------ the step
 
     @torch.inference_mode()
     def step(self) -> list[Request]:
-        """Run one engine step; return the requests that finished during it."""
+        """Run one engine step; return the requests that finished during it.
+
+        With overlapped steps (engine/overlap.py) a plain decode step is left in flight, its tokens on the device:
+        the next call launches the step behind it and then commits it, or, where that step cannot be scheduled
+        ahead exactly, commits it first and runs as without overlap.  The requests returned finished at a commit
+        made in this call."""
+        finished, self.finished_early = self.finished_early, []
+        if self.in_flight is not None:
+            started = time.perf_counter()
+            behind = self._schedule_behind()
+            if behind is not None:
+                return finished + self._step_behind(behind, started)
+            finished += self._complete()
+        return finished + self._step()
+
+    def _step(self) -> list[Request]:
+        """A step as without overlap, but that a plain decode step may be left in flight (engine/overlap.py)."""
         started = time.perf_counter()
         eager_before = self.runner.eager_forwards
         if self.speculation is not None:
@@ -266,6 +301,9 @@ class Engine:
             return finished
         starts = [s.request.num_computed for s in seqs]
         logits = self._forward(seqs)  # per seq [1 + drafts, V] or empty
+        if self.overlap_steps and self.speculation is None and self.runner.static_step and plain_decode(seqs):
+            self.in_flight = InFlight(seqs, logits, self.runner.static.launch_accept(seqs), started, overlapped=False)
+            return finished
         verdicts = sample_tokens(seqs, logits, self.runner.static if self.runner.static_step and self.fixed_acceptance
                                  else None)
         if self.states is not None:  # a verified sequence's state advances by exactly the tokens it kept
@@ -275,21 +313,92 @@ class Engine:
                 self.runner.keep_path(i, seq, starts[i], verdict.rows)
             if self._commit(seq, rows, verdict):
                 finished.append(seq.request)
-        fed, tokens = sum(s.num_new for s in seqs), sum(len(v.tokens) for v in verdicts)
-        self.stats["steps"] += 1
-        self.stats["tokens_fed"] += fed
         if self.speculation is not None:
             seconds = self.speculation.after_step(seqs, starts, self.runner, started)
         else:
             seconds = time.perf_counter() - started  # the tokens are on the host: the step's work is done
-        eager = self.runner.eager_forwards > eager_before
+        self._account(seqs, sum(len(v.tokens) for v in verdicts), self.runner.eager_forwards > eager_before, seconds)
+        return finished
+
+    def _account(self, seqs: list[ScheduledSeq], emitted: int, eager: bool, seconds: float) -> None:
+        """Count a committed step: the stats, the admission batcher's costs and the trace."""
+        fed = sum(s.num_new for s in seqs)
+        self.stats["steps"] += 1
+        self.stats["tokens_fed"] += fed
         if self.admission is not None:
             self.admission.observe_step(eager, seconds)
         if self.trace is not None:
             self.trace.append(StepRecord(
-                sequences=len(seqs), fed=fed, drafts=sum(s.num_drafts for s in seqs), emitted=tokens,
+                sequences=len(seqs), fed=fed, drafts=sum(s.num_drafts for s in seqs), emitted=emitted,
                 k=self.speculation.last_k if self.speculation is not None else 0, eager=eager, seconds=seconds))
+        self._committed_at = time.perf_counter()
+
+    # ------------------------------------------------------------------ overlapped steps (engine/overlap.py)
+
+    def _schedule_behind(self) -> list[ScheduledSeq] | None:
+        """The step behind the one in flight, scheduled with each request's token from it pending; None where
+        that schedule is not sure to be a plain decode of the same requests (the step in flight is then
+        committed first)."""
+        reqs = self.in_flight.live()
+        if self.speculation is not None or not schedules_alike(self.scheduler, reqs):
+            return None
+        hold_pending(reqs)
+        if not self.runner.takes_device_drafts([ScheduledSeq(r, 1, 0, samples=True) for r in reqs]):
+            for req in reqs:
+                release_pending(req)
+            return None
+        if self.admission is not None:
+            self.scheduler.admission_batch = self.admission.batch()
+        seqs = self.scheduler.schedule()
+        if not plain_decode(seqs) or [s.request for s in seqs] != reqs:
+            raise RuntimeError("the step behind the one in flight was not scheduled as overlap.schedules_alike "
+                               "promised")
+        return seqs
+
+    def _step_behind(self, seqs: list[ScheduledSeq], started: float) -> list[Request]:
+        """Launch the step behind the one in flight, fed its tokens from the device; then commit that one."""
+        fed_ids = self.in_flight.tokens_for([s.request for s in seqs], self.device)  # [len(seqs)] on the device
+        try:
+            logits = self.runner.forward(seqs, fed_ids=fed_ids)  # per seq [1, V]
+            behind = InFlight(seqs, logits, self.runner.static.launch_accept(seqs), started, overlapped=True)
+        except BaseException:
+            for seq in seqs:
+                release_pending(seq.request)
+            raise
+        finished = self._complete(ahead=seqs)
+        self.in_flight = behind
         return finished
+
+    def _complete(self, ahead: list[ScheduledSeq] = ()) -> list[Request]:
+        """Read the step in flight's tokens and commit them as a step without overlap would.  ahead: the step
+        launched behind it, whose requests hold their token from it as a placeholder (overlap.hold_pending).
+        Returns the requests that finished."""
+        flight, self.in_flight = self.in_flight, None
+        emitted = self.runner.static.acceptance.read(flight.launched)  # per sequence [1]
+        pending = {id(s.request) for s in ahead}
+        finished, committed = [], []
+        for seq, rows, tokens in zip(flight.seqs, flight.logits, emitted):
+            req = seq.request
+            if req.finished:  # aborted, or finished at the step before: its token and KV slot are dropped
+                continue
+            behind = int(id(req) in pending)
+            if behind:
+                release_pending(req)
+            if self._commit(seq, rows, Verdict(tokens, [0]), ahead=behind):
+                finished.append(req)
+            committed.append(seq)
+        if committed:
+            self.stats["overlapped_steps"] += flight.overlapped
+            # a step's cost: from its start, or from the last commit when it ran behind that step
+            self._account(committed, len(committed), False, time.perf_counter() - max(flight.started,
+                                                                                        self._committed_at))
+        return finished
+
+    def drain(self) -> None:
+        """Commit the step in flight, if any (its finished requests are returned by the next step())."""
+        if self.in_flight is not None:
+            with torch.inference_mode():
+                self.finished_early += self._complete()
 
     def _forward(self, seqs: list[ScheduledSeq]) -> list[torch.Tensor]:
         """The target's forward of the step.  Drafts a speculator left on the device (engine/device_drafts.py)
@@ -311,6 +420,7 @@ class Engine:
         speculator that reads the target's hidden states has the target capture them from here on."""
         from specdec.speculate.speculation import Speculation
 
+        self.drain()  # a speculator's steps start from committed tokens
         self.speculation = Speculation(speculator, controller, self.max_model_len,
                                        self.config.max_num_batched_tokens)
         speculator.defer_reads = self.runner.static is not None  # its steps can feed drafts from the device
@@ -356,9 +466,10 @@ class Engine:
         if self.speculation is not None:
             self.speculation.release(req)
 
-    def _commit(self, seq: ScheduledSeq, rows: torch.Tensor, verdict: Verdict) -> bool:
+    def _commit(self, seq: ScheduledSeq, rows: torch.Tensor, verdict: Verdict, ahead: int = 0) -> bool:
         """Record what the step computed and produced (rows: its logits; verdict: the tokens emitted and the
-        rows that predicted them); returns True when the request finished."""
+        rows that predicted them); returns True when the request finished.  ahead: tokens a step already
+        launched behind this one feeds for the request (overlapped steps: 1), whose blocks are kept."""
         req = seq.request
         req.num_computed += seq.num_new - seq.num_drafts
         if not seq.samples:
@@ -388,7 +499,7 @@ class Engine:
                 req.finish(reason)
                 break
         req.clear_drafts()
-        self._trim_blocks(req)
+        self._trim_blocks(req, ahead)
         self._register_full_blocks(req)
         if req.finished:
             self.scheduler.finish(req)
@@ -458,9 +569,10 @@ class Engine:
         for t, lp, ti, tv in zip(tokens, chosen.tolist(), top_ids.tolist(), top_vals.tolist()):
             req.logprobs.append(TokenLogprobs(t, lp, list(zip(ti, tv))))
 
-    def _trim_blocks(self, req: Request) -> None:
-        """Release blocks that only held rejected drafts."""
-        keep = self.blocks.blocks_for(req.num_computed)
+    def _trim_blocks(self, req: Request, ahead: int = 0) -> None:
+        """Release blocks that only held rejected drafts (keeping those of `ahead` tokens past the committed ones,
+        which a step launched behind this one writes)."""
+        keep = self.blocks.blocks_for(req.num_computed + ahead)
         if len(req.block_ids) > keep:
             self.blocks.release(req.block_ids[keep:])
             del req.block_ids[keep:]
