@@ -65,3 +65,17 @@ def test_train_dispatches_to_the_stage(capsys):
         main(["train", "lm", "--help"])
     assert exc.value.code == 0
     assert "--corpus" in capsys.readouterr().out
+
+
+def test_overlap_steps_flag_reaches_the_engine(qwen3_dir, capsys):
+    """--overlap-steps is EngineConfig.overlap_steps: off runs, on without the fixed-shape runner (a CPU's
+    default) is a one-line error naming what it needs."""
+    from specdec.cli import build_parser, engine_kwargs
+
+    args = build_parser().parse_args(["generate", str(qwen3_dir), "--overlap-steps"])
+    assert engine_kwargs(args)["overlap_steps"] is True
+    assert main(["generate", str(qwen3_dir), "--prompt", "abc", "--max-tokens", "2", "--device", "cpu",
+                 "--no-overlap-steps"]) == 0
+    assert main(["generate", str(qwen3_dir), "--prompt", "abc", "--device", "cpu", "--overlap-steps"]) == 2
+    err = capsys.readouterr().err
+    assert "overlap_steps needs static_shapes" in err and "Traceback" not in err

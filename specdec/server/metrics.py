@@ -10,6 +10,8 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0
 # engine.metrics() key -> (metric name without the specdec_ prefix, help)
 ENGINE_COUNTERS = {
     "steps": ("engine_steps", "Engine steps run"),
+    "overlapped_steps": ("engine_overlapped_steps", "Engine steps scheduled and launched while the step before "
+                                                    "them still ran on the device"),
     "drafts": ("spec_drafts", "Verify steps of a request that carried at least one draft token"),
     "draft_tokens": ("spec_draft_tokens", "Draft tokens proposed and verified"),
     "accepted_tokens": ("spec_accepted_tokens", "Draft tokens accepted"),
