@@ -277,7 +277,8 @@ class Engine:
             behind = self._schedule_behind()
             if behind is not None:
                 return finished + self._step_behind(behind, started)
-            finished += self._complete()
+            flight, self.in_flight = self.in_flight, None
+            finished += self._complete(flight)
         return finished + self._step()
 
     def _step(self) -> list[Request]:
@@ -365,15 +366,13 @@ class Engine:
             for seq in seqs:
                 release_pending(seq.request)
             raise
-        finished = self._complete(ahead=seqs)
-        self.in_flight = behind
-        return finished
+        flight, self.in_flight = self.in_flight, behind
+        return self._complete(flight, ahead=seqs)
 
-    def _complete(self, ahead: list[ScheduledSeq] = ()) -> list[Request]:
-        """Read the step in flight's tokens and commit them as a step without overlap would.  ahead: the step
+    def _complete(self, flight: InFlight, ahead: list[ScheduledSeq] = ()) -> list[Request]:
+        """Read a step left in flight's tokens and commit them as a step without overlap would.  ahead: the step
         launched behind it, whose requests hold their token from it as a placeholder (overlap.hold_pending).
         Returns the requests that finished."""
-        flight, self.in_flight = self.in_flight, None
         emitted = self.runner.static.acceptance.read(flight.launched)  # per sequence [1]
         pending = {id(s.request) for s in ahead}
         finished, committed = [], []
@@ -397,8 +396,9 @@ class Engine:
     def drain(self) -> None:
         """Commit the step in flight, if any (its finished requests are returned by the next step())."""
         if self.in_flight is not None:
+            flight, self.in_flight = self.in_flight, None
             with torch.inference_mode():
-                self.finished_early += self._complete()
+                self.finished_early += self._complete(flight)
 
     def _forward(self, seqs: list[ScheduledSeq]) -> list[torch.Tensor]:
         """The target's forward of the step.  Drafts a speculator left on the device (engine/device_drafts.py)
