@@ -22,9 +22,11 @@ def make_llm(model_dir, overlap: bool, **kw) -> LLM:
                overlap_steps=overlap, **kw)
 
 
-def serve(llm: LLM, arrivals: list[tuple[int, list[int], SamplingParams]], abort_at: dict[int, int] = None):
+def serve(llm: LLM, arrivals: list[tuple[int, list[int], SamplingParams]], abort_at: dict[int, int] = None,
+          returned: list | None = None):
     """Add each request at its step (arrivals: (step, prompt, params)) and step until all are done; abort_at:
-    request index -> abort it once it has this many output tokens.  Returns the requests."""
+    request index -> abort it once it has this many output tokens; returned: a list to gather what each step()
+    returns in.  Returns the requests."""
     engine, reqs, step = llm.engine, [None] * len(arrivals), 0
     abort_at = abort_at or {}
     while engine.has_work() or any(r is None for r in reqs):
@@ -34,7 +36,10 @@ def serve(llm: LLM, arrivals: list[tuple[int, list[int], SamplingParams]], abort
         for i, n in abort_at.items():
             if reqs[i] is not None and not reqs[i].finished and len(reqs[i].output_token_ids) >= n:
                 engine.abort(reqs[i])
-        engine.step()
+        done = engine.step()
+        assert all(r.finished for r in done)
+        if returned is not None:
+            returned += done
         step += 1
     return reqs
 
@@ -80,7 +85,10 @@ def test_greedy_with_overlap_equals_without(qwen3_dir, reference):
     assert {reason for _, reason, _ in want} == {"stop", "length"}
     assert any(text is not None for _, _, text in want)  # the stop string was hit
     llm = make_llm(qwen3_dir, overlap=True)
-    assert outcome(serve(llm, arrivals)) == want
+    returned = []
+    reqs = serve(llm, arrivals, returned=returned)
+    assert outcome(reqs) == want
+    assert sorted(r.request_id for r in returned) == sorted(r.request_id for r in reqs)  # each once
     stats = llm.engine.stats
     assert stats["overlapped_steps"] > 10 and plain.engine.stats["overlapped_steps"] == 0
     # every step is counted once, when committed: as many steps and tokens as without overlap
@@ -113,6 +121,20 @@ def test_the_step_behind_is_fed_from_the_device(qwen3_dir, monkeypatch):
     llm.generate(prompts(3), SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))
     assert len(staged) > 5 and all(t == PLACEHOLDER for step in staged for t in step)
     assert not any(t == PLACEHOLDER for r in llm.engine.scheduler.running for t in r.output_token_ids)
+
+
+def test_the_engine_has_work_while_a_step_is_in_flight(qwen3_dir):
+    """A request finishing when a step is committed leaves the step behind it in flight: the engine still has
+    work, and the next step() commits nothing of it and returns nothing."""
+    engine = make_llm(qwen3_dir, overlap=True).engine
+    req = engine.add_request(prompts(1)[0], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))
+    finished = []
+    while not req.finished:
+        finished += engine.step()
+    assert finished == [req] and len(req.output_token_ids) == 5
+    assert not engine.scheduler.has_work() and engine.in_flight is not None and engine.has_work()
+    assert engine.step() == [] and not engine.has_work() and len(req.output_token_ids) == 5
+    assert engine.stats["steps"] == 5 and engine.blocks.num_free == engine.blocks.num_blocks
 
 
 def test_a_wrong_device_token_changes_the_output(qwen3_dir, reference, monkeypatch):
