@@ -4,7 +4,9 @@ After a decode or verify step on the static runner, its logits buffer [B q, V] h
 fixed places.  FixedAcceptance stages the step's drafts and settings in one host -> device copy, draws the
 sampled sequences' uniforms outside the graph (verify._draw_uniforms, into static buffers: seeded requests keep
 their generators), replays the shape's graph (on a CPU, or a GPU without graphs, runs the same function
-eagerly) and brings num_accepted and the tokens back in one copy.
+eagerly) and brings num_accepted and the tokens back in one copy.  `accept` waits for that copy; `launch` only
+queues it (its tokens stay usable on the device: overlapped steps, engine/overlap.py, feed the next step from
+them) and `read` waits for it later, on its own CUDA event, not for work queued after it.
 
 Shape key: (B, q) and what the graph bakes in from the host: whether any sequence samples (else the softmax
 is skipped: greedy only needs the argmax), whether any cuts top-k / top-p (else no sort), the width of the q
