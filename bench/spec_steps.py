@@ -6,6 +6,8 @@ For the plain twin engine and each speculating one: tokens/s over a few sampled 
 seeded; --temperature 0: greedy), per k the steps taken, their mean time and the drafter's share of it
 (`propose`), tokens per step, the steps in which the drafter first caught up on tokens it had skipped
 (speculation switched back on) and their mean time, and the device memory the engine holds (allocated and reserved).
+Config plain-overlap: plain decoding with overlapped steps (engine/overlap.py); its steps are Engine.step() calls,
+one more per reply than it has steps (the first launches, the last commits), timed without a device sync.
 
 GPU:  python3 bench/spec_steps.py --out $OUT/spec-steps-h200.json
 CPU dry run (tiny, no twins):  python3 bench/spec_steps.py --device cpu --target-twin "" --draft-twin "" \\
@@ -63,7 +65,8 @@ class StepClock:
             forwards = self._draft_forwards()
             t0 = time.perf_counter()
             finished = step()
-            sync(self.engine.device)
+            if not self.engine.overlap_steps:  # overlapped: a step() returns with the next step still running
+                sync(self.engine.device)
             seconds = time.perf_counter() - t0
             k = self.engine.controller.last_k if self.engine.controller is not None else 0
             if k and self._draft_forwards() - forwards > k:  # more drafter forwards than drafts: a catch-up
@@ -245,7 +248,7 @@ def main(argv=None) -> int:
                   twin=args.target_twin or None, attention_backend=args.attention_backend,
                   fixed_acceptance=args.fixed_acceptance)
     draft = dict(model=args.draft, draft_twin=args.draft_twin or None)
-    configs = {"plain": None,
+    configs = {"plain": None, "plain-overlap": None,
                "draft-adaptive-k8": SpecConfig("draft", num_draft_tokens=8, **draft),
                "draft-k8": SpecConfig("draft", num_draft_tokens=8, adaptive=False, **draft),
                "draft-k4": SpecConfig("draft", num_draft_tokens=4, adaptive=False, **draft),
@@ -271,8 +274,11 @@ def main(argv=None) -> int:
                "target": f"{args.target} as {args.target_twin} twin",
                "drafter": f"{args.draft} as {args.draft_twin} twin", "tokens": args.tokens, "batch": args.batch,
                "temperature": args.temperature, "rows": []}
+    # plain-overlap: plain decoding with overlapped steps (engine/overlap.py), which needs fixed acceptance
+    overrides = {"plain-overlap": dict(overlap_steps=True, fixed_acceptance=True, static_shapes=True)}
     for name in args.configs.split(","):
-        row = measure(name, lambda: LLM(args.target, speculator=configs[name], **engine), prompts, args.tokens,
+        options = {**engine, **overrides.get(name, {})}
+        row = measure(name, lambda: LLM(args.target, speculator=configs[name], **options), prompts, args.tokens,
                       device, args.profile_steps, args.batch, args.temperature)
         results["rows"].append(row)
         print(json.dumps(row), flush=True)
