@@ -6,8 +6,9 @@ Qwen3.5's MTP head.  The sampled distribution with device drafts is tests/test_e
 from __future__ import annotations
 
 import pytest
+import torch
 
-from specdec.engine.device_drafts import PLACEHOLDER, draft_positions
+from specdec.engine.device_drafts import PLACEHOLDER, DeviceDrafts, draft_positions
 from specdec.engine.scheduler import ScheduledSeq
 from specdec.engine.static_runner import StaticRunner
 from tests.test_eagle3 import eagle_llm, head_dir, plain  # noqa: F401 (fixtures)
@@ -30,6 +31,15 @@ def test_draft_positions_follow_the_worked_example():
     assert step_rows == [5, 6, 7, 10]
     assert token_rows == [0, 0, 0, 1]
     assert token_cols == [0, 1, 2, 0]
+
+
+def test_the_host_reads_the_drafts_as_drawn_not_what_later_work_writes():
+    """The copy to the host is queued with the drafts: what the next chain writes into the graph's static
+    buffer afterwards (on a GPU, work queued after them) does not reach what the host reads."""
+    tokens = torch.tensor([[5, 6, 7], [8, 9, 0]])
+    drafts = DeviceDrafts.queued(tokens, {"a": 0, "b": 1})
+    tokens.fill_(-3)  # the buffer's next use
+    assert drafts.read() == [[5, 6, 7], [8, 9, 0]]
 
 
 def test_the_runner_feeds_device_drafts_as_it_feeds_host_drafts(qwen3_dir, head_dir):

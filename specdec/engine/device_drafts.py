@@ -7,7 +7,9 @@ Instead the speculator gives each request placeholders of the right length (the 
 many drafts there are), the fixed-shape runner stages the step with them and then copies the real tokens
 over them on the device, and the host reads the drafts into the placeholders once the verify step is queued
 behind the chain (engine.Engine._forward): the read then waits only for the chain, while the device goes on
-into the verify step.
+into the verify step.  The tokens reach the host by a copy queued right behind the chain, on its own CUDA
+event: a plain `.tolist()` at read time would wait for everything queued on the stream by then, the verify
+forward included, and the host would stage the step's acceptance only after the verify instead of beside it.
 """
 
 from __future__ import annotations
@@ -22,6 +24,26 @@ PLACEHOLDER = -1  # a draft's id until the host reads it: an out-of-range id, so
 class DeviceDrafts:
     tokens: torch.Tensor  # [B, depth] long, on the device: row r's first k_r entries are its request's chain
     rows: dict[str, int]  # request id -> its row of tokens (the speculator's read_drafts fills the placeholders)
+    host: torch.Tensor | None = None  # [B, depth] their copy on the host (pinned on a GPU; may be in flight)
+    copied: torch.cuda.Event | None = None  # on a GPU: recorded when that copy is done
+
+    @classmethod
+    def queued(cls, tokens: torch.Tensor, rows: dict[str, int]) -> DeviceDrafts:
+        """Drafts whose copy to the host is queued now, right behind the work that draws them (what later work
+        writes into `tokens`, a graph's static buffer, does not reach the copy)."""
+        if tokens.device.type != "cuda":
+            return cls(tokens, rows, tokens.clone())
+        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+        host.copy_(tokens, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record()
+        return cls(tokens, rows, host, copied)
+
+    def read(self) -> list[list[int]]:
+        """[B, depth] the tokens on the host: waits for their copy only, not for work queued after it."""
+        if self.copied is not None:
+            self.copied.synchronize()
+        return (self.tokens if self.host is None else self.host).tolist()
 
 
 def draft_positions(seqs, rows: dict[str, int], q: int) -> tuple[list[int], list[int], list[int]]:

@@ -195,7 +195,7 @@ class Eagle3Speculator(Speculator):
         q_rows = self._q_rows(active, lambda row, k: [q[row, :k]])
         if self.defer_reads:  # placeholders now: the runner feeds the tokens from the device, read_drafts fills them
             self._give(active, [[[PLACEHOLDER]] * k for _, k in active], q_rows)
-            self.device_drafts = DeviceDrafts(tokens, {req.request_id: row for row, (req, _) in enumerate(active)})
+            self.device_drafts = DeviceDrafts.queued(tokens, {req.request_id: row for row, (req, _) in enumerate(active)})
             self._unread = [req.draft_token_ids for req, _ in active]
             return
         rows = tokens.tolist()  # [B, depth]: the one host sync
@@ -206,7 +206,7 @@ class Eagle3Speculator(Speculator):
         drafts were cleared since holds a new list, so its old placeholders are filled unseen."""
         if self.device_drafts is None:
             return
-        rows = self.device_drafts.tokens.tolist()  # [B, depth]
+        rows = self.device_drafts.read()  # [B, depth]
         for row, placeholders in enumerate(self._unread):
             placeholders[:] = rows[row][:len(placeholders)]
         self.device_drafts, self._unread = None, []
