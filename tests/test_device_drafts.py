@@ -100,6 +100,18 @@ def test_greedy_equals_plain_with_drafts_fed_from_the_device(qwen3_dir, head_dir
     assert llm.engine.speculator.device_drafts is None  # every chain was read once its step was queued
 
 
+def test_device_drafts_off_reads_every_chain_before_its_step(qwen3_dir, head_dir, plain, monkeypatch):
+    """device_drafts=False (--no-device-drafts; the default with CUDA graphs until measured): the host holds
+    real drafts when each step is staged, and output still equals plain decoding."""
+    seen = count_device_draft_steps(monkeypatch)
+    llm = eagle_llm(qwen3_dir, head_dir, 3, static_shapes=True, max_graph_batch=8, device_drafts=False)
+    assert [o.token_ids for o in llm.generate(mixed_prompts(), GREEDY)] == plain
+    assert seen == [] and llm.engine.metrics()["accepted_tokens"] > 0
+    from specdec.cli import build_parser, engine_kwargs
+
+    assert engine_kwargs(build_parser().parse_args(["generate", "m", "--no-device-drafts"]))["device_drafts"] is False
+
+
 def test_drafts_are_read_first_for_a_step_the_runner_cannot_feed(qwen3_dir, head_dir, plain, monkeypatch):
     """Where the fixed-shape runner does not take the step (an eager step), the host reads the chain before
     the forward: no step gets device drafts, every chain is read, output equals plain decoding."""

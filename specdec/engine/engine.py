@@ -79,6 +79,11 @@ class EngineConfig:
     # on where the steps run without CUDA graphs (the same path, synchronous on a CPU: how the tests check it),
     # off with graphs until measured on a GPU (as fixed_acceptance, which it needs, is).
     overlap_steps: bool | None = None
+    # Drafts of a chain graph (EAGLE-3, MTP) fed to the verify step from the device (engine/device_drafts.py),
+    # read by the host once the verify forward is queued.  None: on where the steps run without CUDA graphs (how
+    # the tests check it), off with graphs until measured on a GPU (docs/BENCHMARKS.md: the first version's read
+    # waited for the verify forward and was slower than reading first).
+    device_drafts: bool | None = None
 
     def validate(self) -> None:
         if self.attention_backend not in (None, *ATTENTION_BACKENDS):
@@ -150,6 +155,8 @@ class Engine:
         static = self.runner.static
         self.fixed_acceptance = static is not None and (
             config.fixed_acceptance if config.fixed_acceptance is not None else not static.capture)
+        self.device_drafts = static is not None and (
+            config.device_drafts if config.device_drafts is not None else not static.capture)
         self.overlap_steps = self._use_overlap()
         self.in_flight: InFlight | None = None  # the step left in flight (engine/overlap.py), or None
         self.finished_early: list[Request] = []  # finished at a commit outside step(), for the next step() to return
@@ -423,7 +430,7 @@ class Engine:
         self.drain()  # a speculator's steps start from committed tokens
         self.speculation = Speculation(speculator, controller, self.max_model_len,
                                        self.config.max_num_batched_tokens)
-        speculator.defer_reads = self.runner.static is not None  # its steps can feed drafts from the device
+        speculator.defer_reads = self.device_drafts  # its steps feed drafts from the device (engine/device_drafts.py)
         if speculator.tree_nodes(2) > 2:  # it drafts trees
             if self.states is not None:
                 raise ConfigError("draft trees do not run on hybrid models (Qwen3.5): their linear layers read the "
