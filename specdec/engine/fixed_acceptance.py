@@ -17,6 +17,21 @@ Memory: the graphs' temporaries live in the static runner's graph pool, held for
 the widest sampled shape, e.g. B q = 576 rows of V = 151,936 (350 MB a float32 copy), with the top-k / top-p sort
 (an int64 order beside it) takes a few GB there at its peak; memory.py's graph reserve (512 MB) does not count it.
 
+Precapture (`precapture`, from Engine.precapture_graphs with fixed acceptance on): a graph captured at a step's
+first use stalls that step (0.2-0.7 s on an H100), so for every (B, q) the static runner precaptured, two keys
+are captured before serving, from padding only (no request's drafts, uniforms or generators), largest first:
+greedy only, and sampled without cuts with the speculator's q rows (Speculator.q_width: an EAGLE-3 head's draft
+vocabulary, mapped; the target's for a drafter or an MTP head without a reduced vocabulary; none for n-gram or
+remote drafts, and none at q = 1).  A drafter of trees keeps its q > 1 steps off this path: only q = 1 there.
+Cuts (top-k / top-p) and other widths still capture at their first step.  E.g. max_num_seqs 64 with k up to 7
+(k in {0, 1, 2, 4, 7}): 7 batches x 5 q = 35 (B, q), 70 graphs.  What they hold: each its own small buffers
+(inputs, out, pinned host pairs: kB), the shared float32 scratch made at its largest at once, race [B_max, V]
+(64 x 151,936: 39 MB) and, with q rows, q [B_max (q_max - 1), V_q] (64 x 7 x 151,936: 272 MB for a full-width
+q; 256 sequences: 155 MB and 1.1 GB), which lazily a greedy-only serve never made; and in the pool, shared with
+every other graph, the largest sampled shape's sort-free temporaries (a few [B q, V] float32 copies).  On a CPU
+(or without graphs) nothing is captured: each key's body runs once eagerly, as the static runner's precapture
+runs each forward, and its shape is made (the tests read `shapes`).
+
 Which steps come here (sampler.sample_tokens decides, with `eligible`): the step ran on the static runner and
 every sequence samples with a chain of drafts (or none), all q rows in one draft vocabulary.  Draft trees take
 today's path (verify_tree.accept_tree).  Log-probs need nothing from here: they are read off the same rows.
@@ -131,12 +146,8 @@ class FixedAcceptance:
         width = with_q[0].request.draft_probs.shape[-1] if with_q else 0
         mapped = bool(with_q) and with_q[0].request.draft_vocab is not None
         cuts = any(s.request.params.top_k > 0 or s.request.params.top_p < 1.0 for s in sampled)
-        # a graph reads the logits buffer it was captured on; eagerly each step's logits are fresh
-        key = (batch, q, bool(sampled), cuts, width, mapped, logits.data_ptr() if self.capture else None)
-        shape = self.shapes.get(key)
-        if shape is None:
-            shape = self.shapes[key] = _Shape(batch, q, logits, width, self.device, self._scratch)
-        shape.logits = logits.view(batch, q, -1)  # [B, q, V] (the same buffer, under a graph)
+        key = self._key(batch, q, bool(sampled), cuts, width, mapped, logits)
+        shape = self._shape(key, logits)
         turn, shape.turn = shape.turn, 1 - shape.turn
         self._stage(shape, turn, seqs, with_q, sampled)
         if mapped:
@@ -144,6 +155,50 @@ class FixedAcceptance:
         self._run(shape, key)
         self.steps += 1
         return self._copy_back(shape, turn, len(seqs))
+
+    def _key(self, batch: int, q: int, any_sampled: bool, cuts: bool, width: int, mapped: bool,
+             logits: torch.Tensor) -> tuple:
+        """A step's shape key (the module's note)."""
+        # a graph reads the logits buffer it was captured on; eagerly each step's logits are fresh
+        return batch, q, any_sampled, cuts, width, mapped, logits.data_ptr() if self.capture else None
+
+    def _shape(self, key: tuple, logits: torch.Tensor) -> _Shape:
+        """The key's shape, made at its first step, with the step's logits [B q, V] (under a graph, its buffer)."""
+        batch, q, width = key[0], key[1], key[4]
+        shape = self.shapes.get(key)
+        if shape is None:
+            shape = self.shapes[key] = _Shape(batch, q, logits, width, self.device, self._scratch)
+        shape.logits = logits.view(batch, q, -1)  # [B, q, V] (the same buffer, under a graph)
+        return shape
+
+    @torch.inference_mode()
+    def precapture(self, steps: list[tuple[int, int, torch.Tensor]], width: int = 0, mapped: bool = False) -> int:
+        """Capture (on a CPU: run once) before serving the graphs a served step of each (batch, q, logits
+        [batch q, V]) in `steps` most likely needs: greedy only, and sampled without cuts with q rows `width` wide
+        (`mapped`: in a reduced draft vocabulary) where q > 1, none where q = 1 (no drafts).  Staged from padding
+        only (no request is touched, no uniform drawn), largest shape first, through the served step's own
+        _stage / _run.  Keys already made are left as they are; others (cuts, other widths) still capture at
+        their first step.  Returns how many keys it made."""
+        steps = sorted(steps, key=lambda step: (step[0] * step[1], step[0]), reverse=True)
+        if steps:  # the shared buffers at their largest at once: a shape made before keeps the one it read
+            self._scratch("race", max(b for b, _, _ in steps), steps[0][2].shape[-1])
+            if width:
+                self._scratch(f"q{width}", max(b * (q - 1) for b, q, _ in steps), width)
+                if mapped:
+                    self._vocab_buffer(width)  # zeros until a served step stages its draft vocabulary there
+        made = 0
+        for batch, q, logits in steps:
+            w = width if q > 1 else 0
+            for key in (self._key(batch, q, False, False, 0, False, logits),
+                        self._key(batch, q, True, False, w, mapped and w > 0, logits)):
+                if key in self.shapes:
+                    continue
+                shape = self._shape(key, logits)
+                turn, shape.turn = shape.turn, 1 - shape.turn
+                self._stage(shape, turn, [], [], [])  # padding sequences only: greedy, nothing drawn
+                self._run(shape, key)
+                made += 1
+        return made
 
     def accept(self, seqs: list[ScheduledSeq], batch: int, q: int, logits: torch.Tensor) -> list[list[int]]:
         """Each sequence's emitted tokens (accepted drafts + one) after a (batch, q) step whose logits rows are
@@ -191,11 +246,15 @@ class FixedAcceptance:
         """The draft vocabulary's target ids in a static buffer per q width (copied when it changes)."""
         if self.vocab_of.get(width) is vocab_ids:
             return
+        self._vocab_buffer(width).copy_(vocab_ids)
+        self.vocab_of[width] = vocab_ids
+
+    def _vocab_buffer(self, width: int) -> torch.Tensor:
+        """The static buffer [width] of the draft vocabulary's target ids (made at the first use: graphs read it)."""
         staged = self.vocab_ids.get(width)
         if staged is None:
             staged = self.vocab_ids[width] = torch.zeros(width, dtype=torch.long, device=self.device)
-        staged.copy_(vocab_ids)
-        self.vocab_of[width] = vocab_ids
+        return staged
 
     def _run(self, shape: _Shape, key: tuple) -> None:
         if not self.capture:

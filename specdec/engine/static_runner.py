@@ -102,6 +102,7 @@ class StaticRunner:
         self.row_starts: list[int] = []  # the last step's first row of each sequence
         self.frozen = False  # after precapture(): other shapes run eagerly instead of capturing mid-serve
         self.q_ladder: list[int] = []  # the q values precapture() captured, ascending
+        self.logits_like: torch.Tensor | None = None  # [0, V] as precapture()'s logits (precaptured_steps on a CPU)
         self._padded = self._padded_forward
         if compile_backend:
             self._padded = torch.compile(self._padded_forward, backend=compile_backend, dynamic=False)
@@ -200,11 +201,25 @@ class StaticRunner:
         for batch, q, context in shapes:
             # padding rows only: scratch slots, no real sequence is touched
             self._stage([], q, batch, context, extra=self._extra([], batch))
-            self._forward(batch, q, context)
+            logits = self._forward(batch, q, context)
+            self.logits_like = logits.new_empty((0, logits.shape[-1]))  # (not a view: it would keep the rows)
         self.shapes.update(shapes)
         self.q_ladder = sorted({q for _, q, _ in self.shapes})
         self.frozen = True
         return len(shapes)
+
+    def precaptured_steps(self) -> list[tuple[int, int, torch.Tensor]]:
+        """(batch, q, logits [batch q, V]) of each (batch, q) precapture() ran, for the acceptance's own precapture
+        (FixedAcceptance.precapture): under graphs the logits rows its graphs write (one entry per buffer, should
+        a capture have grown it since); on a CPU rows of one zero stand-in as wide (each eager step's logits are
+        fresh tensors, so nothing there depends on the buffer)."""
+        steps: dict[tuple, torch.Tensor | None] = {}
+        for batch, q, context in sorted(self.shapes):
+            logits = self.graphs[(batch, q, context)][1] if self.capture else None
+            steps.setdefault((batch, q, None if logits is None else logits.data_ptr()), logits)
+        rows = max([b * q for b, q, _ in steps] + [0])
+        stand_in = self.logits_like.new_zeros(rows, self.logits_like.shape[-1]) if steps and not self.capture else None
+        return [(b, q, logits if logits is not None else stand_in[:b * q]) for (b, q, _), logits in steps.items()]
 
     def _columns(self, context: int) -> int:
         """Block-table columns of a step whose context bucket is `context` tokens."""
