@@ -450,24 +450,39 @@ class Engine:
     def controller(self):
         return self.speculation.controller if self.speculation is not None else None
 
-    def precapture_graphs(self) -> int:
+    def precapture_graphs(self, eager: bool = False) -> int:
         """Capture the CUDA graphs of every decode / verify shape (and the drafter's) before serving.
 
         q values: 1 (decode) and k + 1 for each k the controller may choose; with piecewise_graphs, every token
-        bucket's pieces too.  Returns how many shapes and pieces were captured."""
+        bucket's pieces too; with fixed acceptance, each shape's likeliest acceptance graphs (_precapture_acceptance).
+        eager: where steps run without graphs (a CPU), run the target's shapes and their acceptance once all the
+        same, freezing its shape set as a GPU's start-up does (how the tests check it; the drafter's and head's
+        shapes are left).  Returns how many shapes, pieces and acceptance graphs were captured (or run)."""
         drafter_runner = getattr(self.speculator, "runner", None)
         runners = [r for r in (self.runner, drafter_runner) if r is not None and r.piecewise is not None]
         count = sum(r.piecewise.capture_all() for r in runners)
         static = self.runner.static
-        if static is None or not static.capture:
+        if static is None or not (static.capture or eager):
             return count
         ks = self.controller.candidates() if self.controller is not None else [0]
         nodes = self.speculator.tree_nodes if self.speculator is not None else (lambda k: k)
         count += static.precapture([1 + nodes(k) for k in ks])
+        if self.fixed_acceptance:
+            count += self._precapture_acceptance()
         speculator_graphs = getattr(self.speculator, "precapture_graphs", None)
         if speculator_graphs is not None:  # a drafter's or a head's own fixed-shape forwards
             count += speculator_graphs(ks)
         return count
+
+    def _precapture_acceptance(self) -> int:
+        """The fixed-shape acceptance's graphs for every (batch, q) the static runner precaptured: greedy, and sampled
+        without top-k / top-p cuts with the speculator's q rows (Speculator.q_width; none at q = 1).  A speculator
+        that drafts trees verifies them elsewhere (verify_tree): its q > 1 steps are left out."""
+        static, spec = self.runner.static, self.speculator
+        width, mapped = spec.q_width() if spec is not None else (0, False)
+        trees = spec is not None and spec.tree_nodes(2) > 2
+        steps = [step for step in static.precaptured_steps() if step[1] == 1 or not trees]
+        return static.acceptance.precapture(steps, width, mapped)
 
     def _on_finished(self, req: Request) -> None:
         if self.speculation is not None:

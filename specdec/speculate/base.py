@@ -33,6 +33,13 @@ class Speculator:
         """Draft tokens a request feeds at k: k for a chain; a tree's node count (req.draft_parents) for k deep."""
         return k
 
+    def q_width(self) -> tuple[int, bool]:
+        """(width, mapped) of the q rows a sampled request's drafts carry: req.draft_probs [k, width], and whether
+        req.draft_vocab maps their columns (a reduced draft vocabulary).  The engine precaptures the fixed-shape
+        acceptance's sampled verify graphs for it (engine/fixed_acceptance.py).  (0, False): a deterministic
+        drafter, whose drafts carry no q (n-gram, remote)."""
+        return 0, False
+
     def observe(self, seqs: list, starts: list[int], runner) -> None:
         """After every target step, its committed sequences (engine.scheduler.ScheduledSeq; seqs[i] fed tokens
         from position starts[i]) and the runner that holds the step's features (runner.step_features)."""

@@ -124,6 +124,10 @@ class DraftModelSpeculator(Speculator):
                 req.draft_probs = torch.cat(probs[req.request_id])  # [k, V]
         return tokens
 
+    def q_width(self) -> tuple[int, bool]:
+        """(width, mapped) of a sampled request's draft_probs (Speculator.q_width): the target's vocabulary."""
+        return self.target_vocab, False
+
     def adopt(self, request_id: str, tokens: list[int], block_ids: list[int], block_hashes: list[int]) -> None:
         """Start a request's shadow on blocks that already hold the drafter's keys/values for `tokens`
         (the /draft server's prefix cache); the caller has taken a reference to each block."""

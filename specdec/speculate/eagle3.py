@@ -152,6 +152,14 @@ class Eagle3Speculator(Speculator):
         """Draft tokens a verify step of depth k feeds per request."""
         return k * self.tree_width
 
+    def q_width(self) -> tuple[int, bool]:
+        """(width, mapped) of a sampled request's draft_probs (Speculator.q_width): the head's draft vocabulary,
+        mapped by target_ids (req.draft_vocab), or without target_ids (an MTP head over the target's vocabulary)
+        the target's, padded there by _q_rows."""
+        if self.target_ids is None:
+            return self.target_vocab, False
+        return len(self.target_ids), True
+
     def _chain(self, active: list[tuple[Request, int]]) -> None:
         """Draft 1 from each request's last head output, then k - 1 forwards, all requests batched."""
         active = sorted(active, key=lambda item: -item[1])  # longest chain first: live rows are a prefix
