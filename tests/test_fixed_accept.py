@@ -223,3 +223,111 @@ def test_the_graphs_body_runs_on_fake_tensors_too(key_tail):
         acceptance.vocab_ids[width] = torch.arange(width)
         acceptance._body(shape, (4, 3, sampled, cuts, width, mapped, None))
         assert shape.out.shape == (4, 4)
+
+
+# ---------------------------------------------------------------------------------------------- precapture
+
+
+def precaptured_variant(seqs, q) -> bool:
+    """Whether a step's key is one precapture makes: greedy only, or sampled without cuts with q rows (none at
+    q = 1)."""
+    sampled = [s for s in seqs if not s.request.params.greedy]
+    cuts = any(s.request.params.top_k > 0 or s.request.params.top_p < 1.0 for s in sampled)
+    with_q = any(s.num_drafts and s.request.draft_probs is not None for s in sampled)
+    return not sampled or (not cuts and with_q == (q > 1))
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="CUDA graphs need a GPU"))])
+def test_precaptured_keys_serve_their_steps_without_a_new_key(device):
+    """Precapture (padding only, on a GPU captured) makes each (B, q)'s greedy and sort-free sampled keys; steps of
+    those variants then reuse them (on a GPU: replay graphs captured from padding) and give the ragged path's
+    tokens, while a step with cuts still makes its key."""
+    acceptance = FixedAcceptance(torch.device(device), capture=device == "cuda")
+    buffers = {(b, q): torch.zeros(b * q, VOCAB, device=device) for b in (1, 2, 4, 8) for q in range(1, 6)}
+    state = torch.get_rng_state()
+    made = acceptance.precapture([(b, q, x) for (b, q), x in buffers.items()], DRAFT_VOCAB, mapped=True)
+    assert made == len(acceptance.shapes) == 2 * len(buffers)
+    assert torch.equal(state, torch.get_rng_state())  # no uniform drawn
+    assert acceptance.precapture([(b, q, x) for (b, q), x in buffers.items()], DRAFT_VOCAB, mapped=True) == 0
+    seen = {True: 0, False: 0}
+    for seed in range(40):
+        seqs, batch, q, logits = random_step(seed, "mapped", seeded=seed % 2 == 0, device=device)
+        torch.manual_seed(seed)
+        want = today(seqs, q, logits)
+        reseed(seqs, seed)
+        torch.manual_seed(seed)
+        before, known = len(acceptance.shapes), precaptured_variant(seqs, q)
+        assert acceptance.accept(seqs, batch, q, buffers[batch, q].copy_(logits)) == want, seed
+        assert (len(acceptance.shapes) == before) or not known, seed
+        seen[known] += 1
+    assert seen[True] and seen[False] and len(acceptance.shapes) > 2 * len(buffers)  # both kinds of step came
+
+
+@pytest.fixture(scope="module")
+def head_dir(tmp_path_factory, qwen3_dir):
+    from tests.test_eagle3 import make_head_dir
+
+    return make_head_dir(tmp_path_factory.mktemp("head"), qwen3_dir)
+
+
+def fa_llm(qwen3_dir, head_dir, spec: str):
+    """A CPU engine on the fixed-shape runner (fixed acceptance on): plain decoding or an EAGLE-3 head drafting 2
+    over its 64-token draft vocabulary."""
+    from specdec import LLM
+    from tests.test_eagle3 import eagle_llm
+
+    kw = dict(static_shapes=True, max_graph_batch=4, max_graph_context=256)
+    if spec == "eagle3":
+        return eagle_llm(qwen3_dir, head_dir, 2, **kw)
+    return LLM(qwen3_dir, device="cpu", kv_cache_tokens=2048, block_size=4, **kw)
+
+
+def expected_keys(qs, width: int, mapped: bool) -> set:
+    return {key for b in (1, 2, 4) for q in qs for key in
+            ((b, q, False, False, 0, False, None), (b, q, True, False, width if q > 1 else 0, mapped and q > 1, None))}
+
+
+FA_GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+FA_SEEDED = SamplingParams(max_tokens=12, temperature=1.0, seed=7, ignore_eos=True)
+FA_TOP_P = SamplingParams(max_tokens=6, temperature=1.0, top_p=0.9, seed=1, ignore_eos=True)
+
+
+@pytest.mark.parametrize("spec, qs, width, mapped", [("plain", [1], 0, False), ("eagle3", [1, 2, 3], 64, True)])
+def test_engine_precapture_prepares_the_acceptance_and_serving_adds_no_key(qwen3_dir, head_dir, spec, qs, width,
+                                                                           mapped):
+    """Engine.precapture_graphs (run on a CPU with eager=True) prepares, for each (B, q) the static runner
+    precaptured, the greedy key and the sort-free sampled one at the speculator's q width (an EAGLE-3 head's draft
+    vocabulary, mapped); greedy and seeded sampled serving then add no key, a top-p request still does (lazily);
+    and the outputs are those of an engine without precapture."""
+    from tests.test_engine import prompts
+
+    llm, lazy = fa_llm(qwen3_dir, head_dir, spec), fa_llm(qwen3_dir, head_dir, spec)
+    static = llm.engine.runner.static
+    acceptance = static.acceptance
+    assert llm.engine.fixed_acceptance and not acceptance.shapes
+    count = llm.engine.precapture_graphs(eager=True)
+    assert set(acceptance.shapes) == expected_keys(qs, width, mapped)
+    assert count == len(static.shapes) + len(acceptance.shapes) == 3 * len(qs) + 6 * len(qs)
+    for params in (FA_GREEDY, FA_SEEDED):
+        want = [o.token_ids for o in lazy.generate(prompts(3), params)]
+        assert [o.token_ids for o in llm.generate(prompts(3), params)] == want
+        assert set(acceptance.shapes) == expected_keys(qs, width, mapped)
+    assert acceptance.steps and lazy.engine.runner.static.acceptance.shapes  # both served on fixed acceptance
+    llm.generate(prompts(3), FA_TOP_P)
+    assert any(key[3] for key in acceptance.shapes)  # a key with cuts, made at its first step
+
+
+def test_a_wrong_precaptured_width_shows_when_serving(qwen3_dir, head_dir, monkeypatch):
+    """The served sampled steps' key holds the speculator's width: precaptured at another, they make a new one."""
+    from tests.test_engine import prompts
+
+    llm = fa_llm(qwen3_dir, head_dir, "eagle3")
+    monkeypatch.setattr(llm.engine.speculator, "q_width", lambda: (63, True))
+    llm.engine.precapture_graphs(eager=True)
+    acceptance = llm.engine.runner.static.acceptance
+    before = set(acceptance.shapes)
+    llm.generate(prompts(3), FA_GREEDY)
+    assert set(acceptance.shapes) == before
+    llm.generate(prompts(3), FA_SEEDED)
+    assert {key[4] for key in set(acceptance.shapes) - before} == {64}

@@ -171,7 +171,7 @@ class FixedAcceptance:
         shape.logits = logits.view(batch, q, -1)  # [B, q, V] (the same buffer, under a graph)
         return shape
 
-    @torch.inference_mode()
+    @torch.no_grad()  # not inference_mode: its buffers stay normal tensors, which steps outside it may write too
     def precapture(self, steps: list[tuple[int, int, torch.Tensor]], width: int = 0, mapped: bool = False) -> int:
         """Capture (on a CPU: run once) before serving the graphs a served step of each (batch, q, logits
         [batch q, V]) in `steps` most likely needs: greedy only, and sampled without cuts with q rows `width` wide
