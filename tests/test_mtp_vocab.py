@@ -260,3 +260,31 @@ def test_the_flags_reach_spec_config(command):
     args = parser.parse_args([command, "m", "--speculator", "draft", "--draft-model", "d", "--draft-vocab-size", "8"])
     with pytest.raises(ConfigError, match="sets the mtp speculator's draft vocabulary, not 'draft'"):
         spec_config_from_args(args)
+
+
+# ---------------------------------------------------------------------------------------------- precapture
+
+
+@pytest.mark.parametrize("reduced", [True, False])
+def test_precapture_prepares_the_acceptance_at_the_heads_q_width(target, tmp_path, reduced):
+    """With fixed acceptance, Engine.precapture_graphs (run on a CPU with eager=True) makes each (B, q)'s sampled
+    key at the head's q width: its reduced vocabulary, mapped, or the target's whole one; greedy and seeded sampled
+    serving then make no key, and (reduced) the outputs are those of an engine without precapture."""
+    path = target[0]
+    spec = SpecConfig("mtp", num_draft_tokens=2, adaptive=False,
+                      draft_token_map=token_map(tmp_path, REDUCED) if reduced else None)
+    llm, lazy = [LLM(path, device="cpu", kv_cache_tokens=2048, block_size=4, speculator=spec, static_shapes=True,
+                     max_graph_batch=4, max_graph_context=256) if i == 0 or reduced else None for i in range(2)]
+    width, mapped = (len(REDUCED), True) if reduced else (VOCAB, False)
+    assert llm.engine.speculator.q_width() == (width, mapped)
+    llm.engine.precapture_graphs(eager=True)
+    acceptance = llm.engine.runner.static.acceptance
+    keys = {key for b in (1, 2, 4) for q in (1, 2, 3) for key in (
+        (b, q, False, False, 0, False, None), (b, q, True, False, width if q > 1 else 0, mapped and q > 1, None))}
+    assert set(acceptance.shapes) == keys
+    seeded = SamplingParams(max_tokens=16 if reduced else 8, temperature=1.0, seed=5, ignore_eos=True)
+    for params in (GREEDY, seeded) if reduced else (seeded,):
+        outs = [o.token_ids for o in llm.generate(PROMPTS[:3], params)]
+        assert lazy is None or outs == [o.token_ids for o in lazy.generate(PROMPTS[:3], params)]
+        assert set(acceptance.shapes) == keys
+    assert acceptance.steps
