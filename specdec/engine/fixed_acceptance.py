@@ -18,7 +18,7 @@ the widest sampled shape, e.g. B q = 576 rows of V = 151,936 (350 MB a float32 c
 (an int64 order beside it) takes a few GB there at its peak; memory.py's graph reserve (512 MB) does not count it.
 
 Precapture (`precapture`, from Engine.precapture_graphs with fixed acceptance on): a graph captured at a step's
-first use stalls that step (0.2-0.7 s on an H100), so for every (B, q) the static runner precaptured, two keys
+first use stalls that step (docs/BENCHMARKS.md), so for every (B, q) the static runner precaptured, two keys
 are captured before serving, from padding only (no request's drafts, uniforms or generators), largest first:
 greedy only, and sampled without cuts with the speculator's q rows (Speculator.q_width: an EAGLE-3 head's draft
 vocabulary, mapped; the target's for a drafter or an MTP head without a reduced vocabulary; none for n-gram or
