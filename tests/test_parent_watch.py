@@ -120,9 +120,11 @@ def test_the_judge_names_itself_to_its_engines_and_stop_ends_their_whole_group(t
     engine.launch()
     try:
         shell = psutil.Process(engine.proc.pid)
-        environ = Path(f"/proc/{shell.pid}/environ").read_bytes().split(b"\0")
-        assert f"{ENV}={os.getpid()}".encode() in environ
         deadline = time.monotonic() + 10
+        # read while the shell may still be in exec (its environ reads empty then, as CI saw once in a while)
+        while not (environ := Path(f"/proc/{shell.pid}/environ").read_bytes()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert f"{ENV}={os.getpid()}".encode() in environ.split(b"\0")
         while len(shell.children()) < 2 and time.monotonic() < deadline:
             time.sleep(0.05)
         group = [shell.pid] + [c.pid for c in shell.children()]
