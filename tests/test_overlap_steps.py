@@ -235,3 +235,19 @@ def test_setting_a_speculator_commits_the_step_in_flight(qwen3_dir):
     while engine.has_work():
         finished += engine.step()
     assert [r.output_token_ids for r in reqs] == want and set(finished) == set(reqs)
+
+
+def test_the_gpu_check_runs_and_finds_the_tokens_equal(tmp_path):
+    """bench/overlap_equal.py, the GPU call's check, on a CPU (the bundled ref-target: the held-out prompts need
+    its context): both engines, equal replies, overlap taken."""
+    import json
+
+    from bench.overlap_equal import main
+
+    out = tmp_path / "overlap-equal.json"
+    assert main(["--device", "cpu", "--target", "ref-target", "--target-twin", "", "--prompts", "2",
+                 "--tokens", "4", "--out", str(out)]) == 0
+    record = json.loads(out.read_text())
+    assert record["equal"] == {"greedy": True, "sampled": True}
+    assert all(r["overlapped_steps"] > 0 for r in record["rows"] if r["overlap"])
+    assert all(r["overlapped_steps"] == 0 for r in record["rows"] if not r["overlap"])
