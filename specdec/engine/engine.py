@@ -152,11 +152,8 @@ class Engine:
         set_attention_backend(self.attention_backend)  # before any graph is captured: graphs keep their choice
         self.runner = ModelRunner(model, self.kv_cache, self.device, self._static_runner(), self._piecewise_runner(),
                                   self.states)
-        static = self.runner.static
-        self.fixed_acceptance = static is not None and (
-            config.fixed_acceptance if config.fixed_acceptance is not None else not static.capture)
-        self.device_drafts = static is not None and (
-            config.device_drafts if config.device_drafts is not None else not static.capture)
+        self.fixed_acceptance = self._until_measured(config.fixed_acceptance)
+        self.device_drafts = self._until_measured(config.device_drafts)
         self.overlap_steps = self._use_overlap()
         self.in_flight: InFlight | None = None  # the step left in flight (engine/overlap.py), or None
         self.finished_early: list[Request] = []  # finished at a commit outside step(), for the next step() to return
@@ -186,13 +183,19 @@ class Engine:
                                   "CUDA builds of torch) or choose 'sdpa'")
         return self.config.attention_backend or default_attention_backend(self.device)
 
+    def _until_measured(self, setting: bool | None) -> bool:
+        """A fixed-shape runner's option not yet measured on a GPU: as set, else (None) on where its steps run
+        without CUDA graphs (how the tests check it) and off with graphs; off without the fixed-shape runner."""
+        static = self.runner.static
+        return static is not None and (setting if setting is not None else not static.capture)
+
     def _use_overlap(self) -> bool:
-        static, setting = self.runner.static, self.config.overlap_steps
+        setting = self.config.overlap_steps
         possible = self.fixed_acceptance and self.states is None
         if setting and not possible:
             raise ConfigError("overlap_steps needs static_shapes and fixed_acceptance on (with CUDA graphs, "
                               "fixed_acceptance=True) and a model that is not hybrid (Qwen3.5): leave it unset")
-        return possible and not static.capture if setting is None else setting
+        return possible and self._until_measured(setting)
 
     def _static_runner(self):
         from specdec.engine.static_runner import StaticRunner
