@@ -72,3 +72,45 @@ def compiles() -> int:
     from torch._dynamo.utils import counters
 
     return int(counters["stats"]["unique_graphs"])
+
+
+def triton_compiles() -> int:
+    """Kernel binaries the project's own Triton kernels (every triton.jit function of the specdec.kernels modules
+    imported so far) hold in their JIT caches, summed over devices: a new entry is a compile (or an on-disk cache
+    load) of a new specialization, which stalls the step that launched it.  0 where Triton is absent or its
+    caches are laid out otherwise; never raises (a diagnostic must not break a bench)."""
+    try:
+        import sys
+
+        modules = [m for name, m in list(sys.modules.items())
+                   if m is not None and (name == "specdec.kernels" or name.startswith("specdec.kernels."))]
+        functions = {id(f): f for m in modules for f in _jit_functions(m)}
+        return sum(_cached_binaries(f) for f in functions.values())
+    except Exception:
+        return 0
+
+
+def _jit_functions(module) -> list:
+    """The module's Triton JIT functions (those an autotune / heuristics wrapper holds included)."""
+    found = []
+    for value in list(vars(module).values()):
+        for _ in range(4):  # Autotuner / Heuristics wrap the JITFunction as .fn (perhaps one in another)
+            if type(value).__name__ == "JITFunction":
+                found.append(value)
+                break
+            value = getattr(value, "fn", None)
+    return found
+
+
+def _cached_binaries(fn) -> int:
+    """Compiled binaries in one JITFunction's caches: Triton 3.x keeps device -> (kernel cache, ...) in
+    `device_caches` (a defaultdict: only its values are read, so no device's entry is made); older versions kept
+    device -> {key: kernel} in `cache`."""
+    caches = getattr(fn, "device_caches", None)
+    if isinstance(caches, dict):
+        return sum(len(entry[0]) for entry in list(caches.values())
+                   if isinstance(entry, tuple) and entry and isinstance(entry[0], dict))
+    caches = getattr(fn, "cache", None)
+    if isinstance(caches, dict):
+        return sum(len(kernels) for kernels in list(caches.values()) if isinstance(kernels, dict))
+    return 0
