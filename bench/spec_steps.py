@@ -8,6 +8,9 @@ seeded; --temperature 0: greedy), per k the steps taken, their mean time and the
 (speculation switched back on) and their mean time, and the device memory the engine holds (allocated and reserved).
 Config plain-overlap: plain decoding with overlapped steps (engine/overlap.py); its steps are Engine.step() calls,
 one more per reply than it has steps (the first launches, the last commits), timed without a device sync.
+slow_steps: the up to 8 slowest steps past 4x the run's median step, each with what it was (its StepRecord: k,
+sequences, fed, drafts, eager) and what first-use work ran in it (torch.compile graphs, Triton compiles of the
+specdec.kernels, CUDA graphs captured), printed a line each; first_use_ms: their time beyond the median.
 
 GPU:  python3 bench/spec_steps.py --out $OUT/spec-steps-h200.json
 CPU dry run (tiny, no twins):  python3 bench/spec_steps.py --device cpu --target-twin "" --draft-twin "" \\
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import dataclasses
 import gc
 import json
@@ -34,14 +38,101 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
-from bench.common import compiles, environment, sync, write_json  # noqa: E402
+from bench.common import compiles, environment, sync, triton_compiles, write_json  # noqa: E402
 from specdec import LLM, SamplingParams  # noqa: E402
 from specdec.assets import heldout_prompts_path  # noqa: E402
 from specdec.speculate import SpecConfig  # noqa: E402
 
 
+SLOW_FACTOR = 4.0  # a step slower than this many times the run's median step is a slow (first-use) step
+SLOW_LIMIT = 8  # slow steps reported per run, slowest first
+
+
+@dataclasses.dataclass
+class TimedStep:
+    """One timed Engine.step() call and what it was: its k, the engine's StepRecord for it (None where the call
+    committed no step: an overlapped call that only launched one), and what first-use work it did: torch.compile
+    graphs built, Triton binaries compiled, CUDA graphs captured."""
+    seconds: float
+    k: int
+    record: object | None  # specdec.engine.engine.StepRecord
+    dynamo_compiles: int
+    triton_compiles: int
+    graphs_captured: int
+
+    def as_slow_step(self, index: int) -> dict:
+        record = self.record
+        return {"index": index, "ms": 1e3 * self.seconds, "k": self.k,
+                **{field: getattr(record, field, None) for field in ("sequences", "fed", "drafts", "eager")},
+                "dynamo_compiles": self.dynamo_compiles, "triton_compiles": self.triton_compiles,
+                "graphs_captured": self.graphs_captured}
+
+
+def first_use_counts(engine) -> tuple[int, int, int]:
+    """(torch.compile graphs, Triton binaries, CUDA graphs) built so far: a step's change in them says which
+    first-use work it did."""
+    return compiles(), triton_compiles(), graphs_held(engine)
+
+
+def graphs_held(engine) -> int:
+    """CUDA graphs the engine's runners hold: the target's static runner (and its fixed acceptance's shapes) and
+    piecewise runner, an EAGLE-3 / MTP head's HeadGraphs and ChainGraphs, a drafter's own runner's.  Read
+    defensively: a part an engine lacks counts 0."""
+    spec = engine.speculator
+    spec_runner = getattr(spec, "runner", None)
+    holders = (getattr(engine.runner, "static", None), getattr(engine.runner, "piecewise", None),
+               getattr(spec, "graphs", None), getattr(spec, "chain_graphs", None),
+               getattr(spec_runner, "static", None), getattr(spec_runner, "piecewise", None))
+    return sum(_graphs_of(holder) for holder in holders if holder is not None)
+
+
+def _graphs_of(runner) -> int:
+    """A StaticRunner's graphs (key -> (graph, out)), a PiecewiseRunner's (bucket -> [graph per piece]) and its
+    FixedAcceptance's shapes that hold a graph."""
+    count = 0
+    graphs = getattr(runner, "graphs", None)
+    if isinstance(graphs, dict):
+        count += sum(len(g) if isinstance(g, list) else 1 for g in list(graphs.values()))
+    shapes = getattr(getattr(runner, "acceptance", None), "shapes", None)
+    if isinstance(shapes, dict):
+        count += sum(getattr(shape, "graph", None) is not None for shape in list(shapes.values()))
+    return count
+
+
+@contextlib.contextmanager
+def recording_steps(engine):
+    """Engine.trace set to a fresh list (yielded) for the block, to read the StepRecords a step() appends; they
+    also go to the trace set before, if any."""
+    outer, records = getattr(engine, "trace", None), []
+    engine.trace = records
+    try:
+        yield records
+    finally:
+        engine.trace = outer
+        if outer is not None:
+            outer.extend(records)
+
+
+def slow_step_indices(seconds: list[float], factor: float = SLOW_FACTOR, limit: int = SLOW_LIMIT) -> list[int]:
+    """The indices of up to `limit` steps slower than `factor` x the median step, slowest first (a capture or a
+    compile at first use: 0.2-0.7 s against a 7-40 ms step)."""
+    if not seconds:
+        return []
+    median = statistics.median(seconds)
+    slow = [i for i, s in enumerate(seconds) if s > factor * median]
+    return sorted(slow, key=lambda i: seconds[i], reverse=True)[:limit]
+
+
+def slow_step_line(step: dict) -> str:
+    """One slow step, short, for a device call's log tail."""
+    counts = f"triton+{step['triton_compiles']} dynamo+{step['dynamo_compiles']} graphs+{step['graphs_captured']}"
+    return (f"slow step #{step['index']}: {step['ms']:.1f} ms k={step['k']} eager={step['eager']} "
+            f"fed={step['fed']} seqs={step['sequences']} drafts={step['drafts']} {counts}")
+
+
 class StepClock:
-    """Times every engine step and the speculator's propose() within it, grouped by the step's k."""
+    """Times every engine step and the speculator's propose() within it, grouped by the step's k, and keeps each
+    step in order (`steps`: its StepRecord and first-use work) to name the slow ones."""
 
     def __init__(self, llm: LLM):
         self.engine = llm.engine
@@ -49,6 +140,7 @@ class StepClock:
         self.propose_by_k: dict[int, list[float]] = collections.defaultdict(list)
         self.tokens_by_k: dict[int, int] = collections.Counter()
         self.catch_up_s: list[float] = []  # steps whose drafter first caught up on tokens it had skipped
+        self.steps: list[TimedStep] = []  # every timed step, in order
         self._propose_s = 0.0
         step, spec = self.engine.step, self.engine.speculator
         if spec is not None:
@@ -64,12 +156,15 @@ class StepClock:
             self._propose_s = 0.0
             before = self.engine.stats["tokens_emitted"]
             forwards = self._draft_forwards()
-            t0 = time.perf_counter()
-            finished = step()
-            if not self.engine.overlap_steps:  # overlapped: a step() returns with the next step still running
-                sync(self.engine.device)
-            seconds = time.perf_counter() - t0
+            counts = first_use_counts(self.engine)
+            with recording_steps(self.engine) as records:
+                t0 = time.perf_counter()
+                finished = step()
+                if not self.engine.overlap_steps:  # overlapped: a step() returns with the next step still running
+                    sync(self.engine.device)
+                seconds = time.perf_counter() - t0
             k = self.engine.controller.last_k if self.engine.controller is not None else 0
+            self._keep_step(seconds, k, records, counts)
             if k and self._draft_forwards() - forwards > k:  # more drafter forwards than drafts: a catch-up
                 self.catch_up_s.append(seconds)
             self.by_k[k].append(seconds)
@@ -78,12 +173,24 @@ class StepClock:
             return finished
         self.engine.step = timed_step
 
+    def _keep_step(self, seconds: float, k: int, records: list, counts_before: tuple[int, int, int]) -> None:
+        """Keep a timed step: its last StepRecord (an overlapped call may commit the step before it and run its
+        own; one that only launched has none) and the first-use work done during it."""
+        built = [after - before for after, before in zip(first_use_counts(self.engine), counts_before)]
+        self.steps.append(TimedStep(seconds, k, records[-1] if records else None, *built))
+
+    def slow_steps(self) -> list[dict]:
+        """The run's slow steps (slow_step_indices over all k together), as the summary reports them."""
+        indices = slow_step_indices([step.seconds for step in self.steps])
+        return [self.steps[i].as_slow_step(i) for i in indices]
+
     def _draft_forwards(self) -> int:
         spec = self.engine.speculator
         return spec.stats.get("draft_forwards", 0) if spec is not None and hasattr(spec, "stats") else 0
 
     def reset(self) -> None:
         self.catch_up_s.clear()
+        self.steps.clear()
         self.by_k.clear()
         self.propose_by_k.clear()
         self.tokens_by_k.clear()
@@ -98,7 +205,12 @@ class StepClock:
                 for k, t in sorted(self.by_k.items())}
         catch_up = {"steps": len(self.catch_up_s),
                     "step_ms": 1e3 * sum(self.catch_up_s) / max(1, len(self.catch_up_s))}
-        return {"by_k": by_k, "catch_up": catch_up}
+        # slow_steps: the steps past SLOW_FACTOR x the median (all k), each with what it was and the first-use
+        # work done in it; first_use_ms: their time beyond the median, what they cost the run
+        slow = self.slow_steps()
+        median_ms = 1e3 * statistics.median(s.seconds for s in self.steps) if self.steps else 0.0
+        return {"by_k": by_k, "catch_up": catch_up, "slow_steps": slow,
+                "first_use_ms": sum((step["ms"] - median_ms for step in slow), 0.0)}
 
 
 def profile_phases(llm: LLM, prompts: list[str], params: SamplingParams, steps: int) -> dict:
@@ -288,6 +400,9 @@ def main(argv=None) -> int:
                       device, args.profile_steps, args.batch, args.temperature)
         results["rows"].append(row)
         print(json.dumps(row), flush=True)
+        for step in row["slow_steps"]:
+            print(f"{name}: {slow_step_line(step)}", flush=True)
+        print(f"{name}: {len(row['slow_steps'])} slow steps, first_use_ms={row['first_use_ms']:.1f}", flush=True)
         write_json(args.out, results)
     return 0
 
