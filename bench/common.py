@@ -80,14 +80,26 @@ def triton_compiles() -> int:
     load) of a new specialization, which stalls the step that launched it.  0 where Triton is absent or its
     caches are laid out otherwise; never raises (a diagnostic must not break a bench)."""
     try:
-        import sys
+        return sum(_cached_binaries(f) for f in _kernel_functions())
+    except Exception:
+        return 0
 
+
+_kernels_seen: tuple[int, list] = (-1, [])  # (len(sys.modules) when found, the JIT functions found)
+
+
+def _kernel_functions() -> list:
+    """The triton.jit functions of the imported specdec.kernels modules; found again only when modules were
+    imported since (benches read the count around every step)."""
+    global _kernels_seen
+    import sys
+
+    if _kernels_seen[0] != len(sys.modules):
         modules = [m for name, m in list(sys.modules.items())
                    if m is not None and (name == "specdec.kernels" or name.startswith("specdec.kernels."))]
         functions = {id(f): f for m in modules for f in _jit_functions(m)}
-        return sum(_cached_binaries(f) for f in functions.values())
-    except Exception:
-        return 0
+        _kernels_seen = (len(sys.modules), list(functions.values()))
+    return _kernels_seen[1]
 
 
 def _jit_functions(module) -> list:
