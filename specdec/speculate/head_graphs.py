@@ -15,6 +15,10 @@ through one row index, staged with the step's other inputs.
 Example: two sequences feeding 3 and 1 positions (q = 3, batch 2): real rows 0, 1, 2 and 3; the row index is
 [0, 1, 2, 3]; states [4, H] land at padded rows 0..3, rows 4 and 5 pad the second sequence (scratch slots),
 and outputs [4, H] are padded rows 0..3 read back.  With counts 1 and 3: row index [0, 3, 4, 5].
+
+Ids come from the host, or from the device without a host sync: a chain step's drawn drafts (one per
+sequence), or an observe launched ahead of the host's read of acceptance (speculate/eagle3.py observe_ahead),
+fed the acceptance's emitted tokens [B, q] as they lie there, row i sequence i's.
 """
 
 from __future__ import annotations
@@ -45,8 +49,9 @@ class HeadGraphs(StaticRunner):
     def run_layout(self, layout: Layout, shape: tuple[int, int, int], ids: list[int] | torch.Tensor,
                    states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The head's outputs [T, H] and their logits [T, V_draft] (views of a fresh tensor) for T = sum of the
-        layout's token counts, padded to shape (layout_shape), fed ids [T] (a host list, or a device tensor
-        when every sequence feeds one token) beside states [T, H]."""
+        layout's token counts, padded to shape (layout_shape), fed ids beside states [T, H].  ids: a host list
+        [T]; or a device tensor (no host sync): [T] when every sequence feeds one token, or a grid [B_ids, q_ids]
+        whose row i holds sequence i's ids first (count_i <= q_ids; what follows in the row is never read)."""
         batch, q, context = shape
         host_ids = isinstance(ids, list)
         rows, taken, index = [], 0, []
@@ -57,12 +62,23 @@ class HeadGraphs(StaticRunner):
         self._stage(rows, q, batch, context, extra=index)
         cols = self._columns(context)
         index_view = self.inputs[_input_size(batch, q, cols):][:taken]
-        if not host_ids:  # q is 1: row i is sequence i
-            _input_views(self.inputs, batch, q, cols)[0][:taken].copy_(ids)
+        if not host_ids:
+            grid = ids.view(-1, 1) if ids.dim() == 1 else ids  # [B_ids, q_ids]
+            self._fill_ids(_input_views(self.inputs, batch, q, cols)[0].view(batch, q), grid, len(layout))
         self.states.index_copy_(0, index_view, states)
         out = self._forward(batch, q, context).index_select(0, index_view)  # [T, H + V_draft]
         hidden = self.states.shape[1]
         return out[:, :hidden], out[:, hidden:]
+
+    @staticmethod
+    def _fill_ids(padded: torch.Tensor, grid: torch.Tensor, num_seqs: int) -> None:
+        """Copy device ids grid [B_ids, q_ids] over the staged ids padded [batch, q] of num_seqs sequences, one
+        rectangle on the device.  Sequence i's real rows are i q .. i q + count_i - 1, so row i's first count_i
+        ids land there; the rest of the rectangle lands on padding rows (scratch slots, outputs dropped), clamped
+        to a valid id (an acceptance's tokens end in -1).  Example: q = 4, grid [[7, 8, -1], [9, -1, -1]] with
+        counts 2 and 1: padded rows 0, 1 <- 7, 8 and row 4 <- 9 (real); rows 2 and 5, 6 <- 0 (padding)."""
+        width = min(padded.shape[1], grid.shape[1])
+        padded[:num_seqs, :width].copy_(grid[:num_seqs, :width].clamp(min=0))
 
     def _call(self, ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBatch, rows: int) -> torch.Tensor:
         """[rows, H + V_draft]: the head's outputs beside their logits (the next draw's, inside the graph)."""
