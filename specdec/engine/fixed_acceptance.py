@@ -115,6 +115,12 @@ class Launched(NamedTuple):
     # step of this shape is accepted: one queued behind it on the stream reads the values this step left)
     num_seqs: int
 
+    @property
+    def num_accepted(self) -> torch.Tensor:
+        """[num_seqs] each sequence's accepted drafts on the device (out[:, 0]; valid as long as tokens is): what a
+        head observing the step before the host reads it gathers its last rows by (speculate/eagle3.py)."""
+        return self.shape.out[:self.num_seqs, 0]
+
 
 class FixedAcceptance:
     """Acceptance of a static runner's steps on their fixed shapes (the module's note); `accept` per step."""

@@ -13,9 +13,11 @@ q rows in one draft vocabulary.  A step with a draft tree, or one that ran eager
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
-from specdec.engine.fixed_acceptance import eligible
+from specdec.engine.fixed_acceptance import Launched, eligible
 from specdec.engine.scheduler import ScheduledSeq
 from specdec.sampling import processed_probs_rows
 from specdec.verify import DraftQ, accept_ragged, in_target_vocab
@@ -31,16 +33,27 @@ def greedy_accept(drafts: list[int], best: list[int]) -> list[int]:
     return drafts[:n] + [best[n]]
 
 
-def sample_tokens(seqs: list[ScheduledSeq], logits: list[torch.Tensor], static=None) -> list[Verdict]:
+def sample_tokens(seqs: list[ScheduledSeq], logits: list[torch.Tensor], static=None,
+                  on_launch: Callable[[Launched], object] | None = None) -> list[Verdict]:
     """For each sequence, the tokens it emits this step (accepted drafts + one; none for a sequence that does
     not sample) and the logits row that predicted each.  static: the StaticRunner when the step ran on it (its
-    fixed-shape acceptance is used if the sequences are eligible), else None."""
+    fixed-shape acceptance is used if the sequences are eligible), else None.  on_launch: called with the
+    fixed-shape acceptance once it is queued, before the host waits for its result (work for the device to
+    run meanwhile: a head's observe, speculate/eagle3.py observe_ahead); not called on the other paths."""
     if static is not None and eligible(seqs):
-        return [Verdict(tokens, list(range(len(tokens)))) for tokens in static.accept(seqs)]
+        launched = static.launch_accept(seqs)
+        if on_launch is not None:
+            on_launch(launched)
+        return chain_verdicts(static.acceptance.read(launched))
     trees = [i for i, s in enumerate(seqs) if s.samples and s.tree_parents is not None]
     verdicts = dict(zip(trees, _verify_trees([seqs[i] for i in trees], [logits[i] for i in trees])))
     chains = _sample_chains([s if i not in verdicts else None for i, s in enumerate(seqs)], logits)
-    return [verdicts.get(i) or Verdict(tokens, list(range(len(tokens)))) for i, tokens in enumerate(chains)]
+    return [verdicts.get(i) or chain for i, chain in enumerate(chain_verdicts(chains))]
+
+
+def chain_verdicts(emitted: list[list[int]]) -> list[Verdict]:
+    """Verdicts of chains from each sequence's emitted tokens: token j came from the sequence's logits row j."""
+    return [Verdict(tokens, list(range(len(tokens)))) for tokens in emitted]
 
 
 def _verify_trees(seqs: list[ScheduledSeq], logits: list[torch.Tensor]) -> list[Verdict]:
