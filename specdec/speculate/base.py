@@ -42,7 +42,15 @@ class Speculator:
 
     def observe(self, seqs: list, starts: list[int], runner) -> None:
         """After every target step, its committed sequences (engine.scheduler.ScheduledSeq; seqs[i] fed tokens
-        from position starts[i]) and the runner that holds the step's features (runner.step_features)."""
+        from position starts[i]) and the runner that holds the step's features (runner.step_features).  Where
+        observe_ahead launched the step's work already, this only settles it."""
+
+    def observe_ahead(self, seqs: list, starts: list[int], runner, launched) -> bool:
+        """Before the host reads the step's fixed-shape acceptance (launched: engine/fixed_acceptance.Launched,
+        its tokens and accepted counts still on the device), queue what observe would run for these sequences,
+        so that the device runs it while the host reads and commits; observe(seqs, ...) after the commit then
+        settles it without a second forward.  Returns whether it did (False, as here: observe does it all)."""
+        return False
 
     def release(self, request: Request) -> None:
         """The request finished or was aborted: drop any per-request state."""

@@ -34,10 +34,13 @@ tensors; trees and shapes that do not fit go step by step.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from specdec.draft_tree import spine_and_siblings
 from specdec.engine.device_drafts import PLACEHOLDER, DeviceDrafts
+from specdec.engine.fixed_acceptance import Launched
 from specdec.engine.kv_cache import BlockManager, KVCache, slot_of
 from specdec.engine.request import Request
 from specdec.engine.runner import flat_attention_batch
@@ -46,7 +49,7 @@ from specdec.models.eagle3 import Eagle3Head
 from specdec.speculate.base import Speculator
 from specdec.speculate.chain_graph import ChainGraphs
 from specdec.speculate.draw import draw_drafts
-from specdec.speculate.head_graphs import HeadGraphs
+from specdec.speculate.head_graphs import HeadGraphs, Layout
 from specdec.transfer import upload
 from specdec.verify import in_target_vocab
 
@@ -62,6 +65,15 @@ class HeadState:
         if seed is not None:  # a seeded request drafts reproducibly, from a stream of its own
             self.generator = torch.Generator(device=device)
             self.generator.manual_seed(seed ^ 0xEA61E)
+
+
+class ObservedAhead(NamedTuple):
+    """An observe launched before the host read the step's acceptance (Eagle3Speculator.observe_ahead)."""
+
+    seqs: list[ScheduledSeq]  # the step's sequences (the list itself: observe settles only that step)
+    starts: list[int]  # seqs[i]'s first fed position
+    last: torch.Tensor  # [B, H] the head's output at each sequence's last accepted position
+    last_logits: torch.Tensor  # [B, V_draft] its logits
 
 
 class Eagle3Speculator(Speculator):
@@ -93,15 +105,23 @@ class Eagle3Speculator(Speculator):
                                             target_ids=self.target_ids, pool=self.graphs.pool)
         self.step_by_step = False  # True: chains take the step-by-step path even where a chain graph fits
         self._unread: list[list[int]] = []  # the placeholder lists of device_drafts' rows
+        self.early_observe = True  # observe_ahead runs where it can (False: every observe after the commit)
+        self._ahead: ObservedAhead | None = None  # the observe launched ahead of the step being committed
         self.runner = HeadCostRunner(self)
         self.stats = {"draft_forwards": 0, "head_tokens_observed": 0, "skipped_no_blocks": 0,
-                      "head_eager_forwards": 0}  # forwards that did not fit the padded buckets
+                      "head_eager_forwards": 0,  # forwards that did not fit the padded buckets
+                      "head_observed_ahead": 0}  # steps observed before the host read their acceptance
 
     # ------------------------------------------------------------------ after the target's step
 
     @torch.inference_mode()
     def observe(self, seqs: list[ScheduledSeq], starts: list[int], runner) -> None:
-        """Feed the head every position the target's step committed (see the module's note)."""
+        """Feed the head every position the target's step committed (see the module's note); where
+        observe_ahead fed them already, settle what it launched."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and ahead.seqs is seqs:
+            self._settle(ahead)
+            return
         rows = []  # (request, first position, count, ids: token p + 1 for position p, features [count, 3 H_t])
         for i, (seq, start) in enumerate(zip(seqs, starts)):
             req = seq.request
@@ -127,6 +147,64 @@ class Eagle3Speculator(Speculator):
             state.computed, state.last = start + count, out[end - 1:end]
             state.last_logits = None if logits is None else logits[end - 1:end]
         self.stats["head_tokens_observed"] += end
+
+    @torch.inference_mode()
+    def observe_ahead(self, seqs: list[ScheduledSeq], starts: list[int], runner, launched: Launched) -> bool:
+        """Launch the step's observe before the host knows how many drafts each sequence kept: the head is fed
+        every fed position, start .. start + num_new - 1, with the emitted tokens still on the device (fed
+        position start + j takes emitted token j, as observe feeds token p + 1 at p), and its output at each
+        sequence's last accepted position, start + num_accepted, is gathered on the device.  Only a step of
+        decoding chains whose padded shape fits the head's graphs qualifies (_ahead_layout); else False.
+
+        The positions past the accepted ones get keys/values computed from rejected drafts.  They are never
+        read: after the commit the head holds num_computed = start + accepted + 1 positions, and positions
+        >= num_computed are written before they are read (the next chain's forward 1 writes num_computed
+        itself, each later forward its own position, and the next observe rewrites from num_computed on).  The
+        writes that land in blocks the commit then trims are queued before, in stream order, any later use of
+        those blocks."""
+        layout = self._ahead_layout(seqs, starts)
+        if layout is None:
+            return False
+        counts = [count for _, _, count in layout]
+        features = torch.cat([runner.step_features(i, count) for i, count in enumerate(counts)])  # [T, 3 H_t]
+        shape = self.graphs.layout_shape(layout)
+        out, logits = self.graphs.run_layout(layout, shape, launched.tokens, self.head.project(features))
+        # sequence i's outputs are rows offset_i .. offset_i + count_i - 1, its last accepted one offset_i + a_i.
+        # Example: counts 3 and 2 (offsets 0, 3), accepted 1 and 0: rows 1 and 3.
+        offsets = [sum(counts[:i]) for i in range(len(counts))]
+        rows = upload(offsets, self.device) + launched.num_accepted  # [B] on the device: no host sync
+        self._ahead = ObservedAhead(seqs, list(starts), out.index_select(0, rows), logits.index_select(0, rows))
+        self.stats["head_observed_ahead"] += 1
+        return True
+
+    def _ahead_layout(self, seqs: list[ScheduledSeq], starts: list[int]) -> Layout | None:
+        """The head forward's layout (block ids, first position, count) of observing every fed position of a
+        step, or None where the step must be observed after its commit: early observes off, no head graphs, a
+        sequence that does not decode a chain from its newest token (a prefill, a tree, a step that does not
+        sample), a position past the head's, or a padded shape that does not fit."""
+        if not self.early_observe or self.graphs is None:
+            return None
+        for seq, start in zip(seqs, starts):
+            req = seq.request
+            decoding = seq.samples and seq.tree_parents is None and seq.num_new == 1 + seq.num_drafts
+            if not decoding or start != req.num_computed or start + seq.num_new > self.max_positions:
+                return None
+        layout = [(seq.request.block_ids, start, seq.num_new) for seq, start in zip(seqs, starts)]
+        return layout if self.graphs.shape_fits(self.graphs.layout_shape(layout)) else None
+
+    def _settle(self, ahead: ObservedAhead) -> None:
+        """The committed step's bookkeeping, as observe would leave it: each live request's head holds its
+        committed positions, its last output the one gathered at its last accepted position."""
+        observed = 0
+        for row, (seq, start) in enumerate(zip(ahead.seqs, ahead.starts)):
+            req = seq.request
+            if req.finished:
+                continue
+            state = self._state(req)
+            state.computed = req.num_computed  # start + accepted + 1
+            state.last, state.last_logits = ahead.last[row:row + 1], ahead.last_logits[row:row + 1]
+            observed += req.num_computed - start
+        self.stats["head_tokens_observed"] += observed
 
     # ------------------------------------------------------------------ before the target's step
 
