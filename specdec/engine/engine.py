@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.util
 import time
 
@@ -292,7 +293,12 @@ class Engine:
         return finished + self._step()
 
     def _step(self) -> list[Request]:
-        """A step as without overlap, but that a plain decode step may be left in flight (engine/overlap.py)."""
+        """A step as without overlap, but that a plain decode step may be left in flight (engine/overlap.py).
+
+        A speculative step accepted on its fixed shape has the speculator's observe launched ahead where it can
+        (Speculator.observe_ahead: an EAGLE-3 / MTP head's forward over the step's positions): queued once the
+        acceptance is, before the host waits for it, so the device runs it while the host reads and commits;
+        after_step then only settles it."""
         started = time.perf_counter()
         eager_before = self.runner.eager_forwards
         if self.speculation is not None:
@@ -316,7 +322,7 @@ class Engine:
             self.in_flight = InFlight(seqs, logits, self.runner.static.launch_accept(seqs), started, overlapped=False)
             return finished
         verdicts = sample_tokens(seqs, logits, self.runner.static if self.runner.static_step and self.fixed_acceptance
-                                 else None)
+                                 else None, on_launch=self._observe_ahead(seqs, starts))
         if self.states is not None:  # a verified sequence's state advances by exactly the tokens it kept
             self.states.commit([s.num_new - s.num_drafts + len(v.tokens) - 1 for s, v in zip(seqs, verdicts)])
         for i, (seq, rows, verdict) in enumerate(zip(seqs, logits, verdicts)):
@@ -330,6 +336,13 @@ class Engine:
             seconds = time.perf_counter() - started  # the tokens are on the host: the step's work is done
         self._account(seqs, sum(len(v.tokens) for v in verdicts), self.runner.eager_forwards > eager_before, seconds)
         return finished
+
+    def _observe_ahead(self, seqs: list[ScheduledSeq], starts: list[int]):
+        """What sample_tokens calls once the step's fixed-shape acceptance is queued (its on_launch): the
+        speculator's observe of the step launched ahead of the host's read, or None without a speculator."""
+        if self.speculation is None:
+            return None
+        return functools.partial(self.speculator.observe_ahead, seqs, starts, self.runner)
 
     def _account(self, seqs: list[ScheduledSeq], emitted: int, eager: bool, seconds: float) -> None:
         """Count a committed step: the stats, the admission batcher's costs and the trace."""
