@@ -14,7 +14,9 @@ runner, accepted there (engine/fixed_acceptance.py: the tokens are made on the d
 hybrid model.  The step behind it is launched only when its scheduling is certain to come out the same as
 after the commit: nobody waits for admission, every running request was in the step in flight and still runs,
 and the free blocks cover every request's next token (no preemption).  Anything else, a speculator being set
-included, first commits the step in flight, then runs as without overlap.
+included, first commits the step in flight, then runs as without overlap.  A speculative step is never left in
+flight; what runs ahead of its host work is the head's observe instead (Speculator.observe_ahead: queued behind
+the step's fixed-shape acceptance, before the host reads it; speculate/eagle3.py).
 
 A request that finishes when step N is committed was still fed in step N+1: that token and its KV slot are
 dropped (its blocks are released as for any finished request, before the device has run N+1; on a GPU any

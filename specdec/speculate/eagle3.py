@@ -12,6 +12,15 @@ d3 at positions 9..12 and accepted d1 d2 (so x_10 = d1, x_11 = d2, x_12 = the co
 is fed positions 9, 10, 11 with tokens x_10, x_11, x_12 beside the target's features at 9, 10, 11, and its
 output at 11 predicts x_13.
 
+Where the verify step is accepted on its fixed shape (engine/fixed_acceptance.py), that forward runs ahead
+instead (`observe_ahead`, issue 21): queued right behind the acceptance, before the host reads it, so the
+device runs it while the host reads and commits.  Not knowing yet how many drafts were kept, it feeds every
+fed position, tokens from the acceptance's output on the device (in the example: positions 9..12 with x_10,
+x_11, x_12 and whatever follows the corrected token), and gathers on the device the output at position
+9 + num_accepted (11) as the request's last.  Position 12's key is garbage until the next chain or observe
+rewrites it, which happens before anything reads it.  `observe` after the commit then only settles the
+bookkeeping.  Steps with a prefill, a tree or a shape the head's graphs do not hold observe after the commit.
+
 `propose` then draws draft 1 from that output and runs k - 1 one-token forwards, each feeding the draft just
 drawn (a device tensor: no host round trip) beside the head's own previous output, at positions
 num_tokens - 1 onwards.  Those positions are overwritten by the next `observe`, which feeds the verified

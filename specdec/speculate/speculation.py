@@ -5,7 +5,8 @@
                       cuts drafts that find no free block), which the controller's expected tokens count
     after the step    after_step(...): the speculator observes what the target's forward computed (the
                       features of the layers it asked for, for every fed position: no extra forward), the
-                      controller learns the step's cost
+                      controller learns the step's cost.  (Where the engine offered the speculator the step
+                      before reading its acceptance, Speculator.observe_ahead, observe only settles that.)
     per request       verified(req, drafts, accepted) when its drafts were checked, release(req) when it ends
 """
 
