@@ -333,6 +333,14 @@ def measure(name: str, make, prompts: list[str], tokens: int, device: torch.devi
     return row
 
 
+def with_early_observe(llm: LLM, early: bool | None) -> LLM:
+    """The LLM with its head's early observe set as asked (None: left as the speculator has it)."""
+    speculator = llm.engine.speculator
+    if early is not None and hasattr(speculator, "early_observe"):
+        speculator.early_observe = early
+    return llm
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="bench/results/spec-steps-h200.json")
@@ -355,6 +363,9 @@ def main(argv=None) -> int:
                         help="the engines' EngineConfig.fixed_acceptance (default: the engine's)")
     parser.add_argument("--device-drafts", action=argparse.BooleanOptionalAction, default=None,
                         help="the engines' EngineConfig.device_drafts (default: the engine's)")
+    parser.add_argument("--early-observe", action=argparse.BooleanOptionalAction, default=None,
+                        help="an EAGLE-3 / MTP head's observe launched before the host reads acceptance "
+                             "(Eagle3Speculator.early_observe; default: the speculator's)")
     parser.add_argument("--attention-backend", default=None, choices=("sdpa", "triton"),
                         help="the engines' attention (default: the engine's, triton on a GPU)")
     parser.add_argument("--profile-steps", type=int, default=0,
@@ -389,15 +400,16 @@ def main(argv=None) -> int:
                                                                   **head)
     results = {"env": environment(device), "attention_backend": args.attention_backend or "engine default",
                "fixed_acceptance": args.fixed_acceptance, "device_drafts": args.device_drafts,
-               "target": f"{args.target} as {args.target_twin} twin",
+               "early_observe": args.early_observe, "target": f"{args.target} as {args.target_twin} twin",
                "drafter": f"{args.draft} as {args.draft_twin} twin", "tokens": args.tokens, "batch": args.batch,
                "temperature": args.temperature, "rows": []}
     # plain-overlap: plain decoding with overlapped steps (engine/overlap.py), which needs fixed acceptance
     overrides = {"plain-overlap": dict(overlap_steps=True, fixed_acceptance=True, static_shapes=True)}
     for name in args.configs.split(","):
         options = {**engine, **overrides.get(name, {})}
-        row = measure(name, lambda: LLM(args.target, speculator=configs[name], **options), prompts, args.tokens,
-                      device, args.profile_steps, args.batch, args.temperature)
+        row = measure(name, lambda: with_early_observe(LLM(args.target, speculator=configs[name], **options),
+                                                       args.early_observe),
+                      prompts, args.tokens, device, args.profile_steps, args.batch, args.temperature)
         results["rows"].append(row)
         print(json.dumps(row), flush=True)
         for step in row["slow_steps"]:
