@@ -254,9 +254,9 @@ def test_fixed_shape_verify_steps_keep_outputs(qwen3_dir, drafter_dir, plain, me
                    static_shapes=True, max_graph_batch=8)
     calls, accepted = [], []
     static = llm.engine.runner.static
-    run, accept = static.run, static.acceptance.accept
+    run, launch = static.run, static.acceptance.launch
     static.run = lambda seqs, *fed: calls.append(seqs[0].num_new) or run(seqs, *fed)
-    static.acceptance.accept = lambda seqs, batch, q, logits: accepted.append(q) or accept(seqs, batch, q, logits)
+    static.acceptance.launch = lambda seqs, batch, q, logits: accepted.append(q) or launch(seqs, batch, q, logits)
     assert [o.token_ids for o in llm.generate(mixed_prompts(), GREEDY)] == plain
     assert any(q > 1 for q in calls)  # verify steps took the fixed-shape path
     assert any(q > 1 for q in accepted)  # and were accepted on it

@@ -179,14 +179,11 @@ class StaticRunner:
         # a short prefill feeds several prompt tokens but samples only after the last one
         return [logits[i * q + s.num_new - 1 - s.num_drafts:i * q + s.num_new] for i, s in enumerate(seqs)]
 
-    def accept(self, seqs: list[ScheduledSeq]) -> list[list[int]]:
-        """The tokens each sequence of the last run emits (accepted drafts + one), accepted on the step's fixed
-        shape (engine/fixed_acceptance.py; the sampler checks the sequences are eligible)."""
-        return self.acceptance.accept(seqs, *self.step)
-
     def launch_accept(self, seqs: list[ScheduledSeq]):
-        """As `accept`, but only queued: a fixed_acceptance.Launched whose tokens stay on the device until
-        `self.acceptance.read` brings them to the host (engine/overlap.py feeds the next step from them)."""
+        """Queue the acceptance of the last run's sequences on its fixed shape (engine/fixed_acceptance.py; the
+        sampler checks they are eligible): a fixed_acceptance.Launched whose tokens stay on the device until
+        `self.acceptance.read` brings them to the host (meanwhile the device runs what was queued behind it: a
+        head's observe, engine/overlap.py's next step fed from them)."""
         return self.acceptance.launch(seqs, *self.step)
 
     def precapture(self, qs: list[int]) -> int:
