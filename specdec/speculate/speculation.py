@@ -57,10 +57,17 @@ class Speculation:
                 if r.draft_token_ids:  # drafts of a step that left this request out
                     r.clear_drafts()
             return
-        ks = [max(0, min(k, r.params.max_tokens - len(r.output_token_ids) - 1,
-                         self.max_model_len - r.num_tokens - 1)) for r in decoding]
-        self.speculator.propose(decoding, ks)
+        self.speculator.propose(decoding, self.capped_ks(decoding, k))
         self.drafting = decoding
+
+    def capped_ks(self, requests: list[Request], k: int, gained: list[int] | None = None) -> list[int]:
+        """Each request's k: the controller's k, capped so that no request drafts a token past its max_tokens or
+        the model's max_model_len.  gained[i]: tokens requests[i] gains before it drafts (a chain launched ahead
+        of the commit that adds them: at most every draft kept plus one; default none).  Example: max_tokens 20
+        with 15 tokens out and 3 more to come -> at most 20 - 18 - 1 = 1 draft (the verify emits drafts + 1)."""
+        gained = gained if gained is not None else [0] * len(requests)
+        return [max(0, min(k, r.params.max_tokens - (len(r.output_token_ids) + g) - 1,
+                           self.max_model_len - (r.num_tokens + g) - 1)) for r, g in zip(requests, gained)]
 
     def scheduled(self, seqs: list[ScheduledSeq]) -> None:
         """The step's plan is made: tell the controller the drafts each drafted request really verifies (its
