@@ -52,20 +52,32 @@ class ChainGraphs(StaticRunner):
         self.uniforms = torch.zeros(rows, max_depth, device=device)  # [rows, depth] one per draw
         self.tokens = torch.zeros(rows, max_depth, dtype=torch.long, device=device)  # the graph's drafts
 
-    def chain_shape(self, active: list[tuple[Request, int]]) -> tuple[int, int, int]:
-        """The (batch, depth, context) bucket of a chain of these (request, k), longest k first."""
-        return self.bucket(len(active), active[0][1], max(req.num_tokens - 1 for req, _ in active))
+    def chain_shape(self, active: list[tuple[Request, int]], firsts: list[int] | None = None) -> tuple[int, int, int]:
+        """The (batch, depth, context) bucket of a chain of these (request, k), longest k first; firsts: each
+        chain's first position, where it is not num_tokens - 1 (a chain launched ahead: its latest possible)."""
+        last_start = max(firsts) if firsts is not None else max(req.num_tokens - 1 for req, _ in active)
+        return self.bucket(len(active), active[0][1], last_start)
 
     @torch.inference_mode()
     def run_chain(self, active: list[tuple[Request, int]], shape: tuple[int, int, int], states: torch.Tensor,
-                  logits: torch.Tensor, uniforms: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+                  logits: torch.Tensor, uniforms: torch.Tensor | None, firsts: list[int] | None = None,
+                  shift: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """active: (request, k), longest first; states [B, H] and logits [B, V_draft]: the head's last outputs;
         uniforms [B, k_max] or None (every row greedy) -> (drafts [batch, depth] target ids, q [batch, depth,
-        V_draft]); row i's first k_i are its chain.  The drafts are a view valid until the next run."""
+        V_draft]); row i's first k_i are its chain.  The drafts are a view valid until the next run.
+
+        firsts: each chain's first position as staged (default num_tokens - 1); shift [B] on the device: added
+        to it there after staging (`shift_staged`), for a chain launched before the host knows how far each
+        request got (Eagle3Speculator.propose_ahead)."""
         batch, depth, context = shape
         count = len(active)
-        # forward j + 1 of request i feeds position num_tokens - 1 + j; it has k_i - 1 forwards
-        self._stage([(req.block_ids, req.num_tokens - 1, [0] * (k - 1)) for req, k in active], depth, batch, context)
+        if firsts is None:
+            firsts = [req.num_tokens - 1 for req, _ in active]
+        # forward j + 1 of request i feeds position firsts_i + j; it has k_i - 1 forwards
+        self._stage([(req.block_ids, first, [0] * (k - 1)) for (req, k), first in zip(active, firsts)],
+                    depth, batch, context)
+        if shift is not None:
+            self.shift_staged(shape, shift, [k - 1 for _, k in active])
         self.states[:count].copy_(states)
         self.first_logits[:count].copy_(logits)
         self.settings[:, :batch].copy_(upload(self._settings(active, batch), self.device, torch.float32))
@@ -75,6 +87,26 @@ class ChainGraphs(StaticRunner):
             self.uniforms[:count, :uniforms.shape[1]].copy_(uniforms)
         q = self._forward(batch, depth, context)  # [batch * depth, V_draft]
         return self.tokens[:batch, :depth], q.view(batch, depth, -1)
+
+    def shift_staged(self, shape: tuple[int, int, int], shift: torch.Tensor, fed: list[int]) -> None:
+        """Move the staged chains of the first len(fed) sequences shift [len(fed)] positions on, on the device:
+        their positions and context lengths, and the slots of their real rows (j < fed_i), recomputed from
+        their block tables; padding rows keep their scratch slots.  What `_stage` would have staged had it
+        been given first position + shift, with no host sync.
+
+        Example (block size 4, depth 3): a chain of k = 3 (fed 2) staged at position 10 with blocks [7, 2, 9,
+        5] has positions 10, 11, 12 and slots 9*4+2, 9*4+3, scratch; shifted by 2: positions 12, 13, 14,
+        context length + 2, slots 5*4+0, 5*4+1 (block 12 // 4 = 3 of the table), scratch as staged."""
+        batch, depth, context = shape
+        count, cols, bs = len(fed), self._columns(context), self.block_size
+        _, positions, slots, ctx, tables = _input_views(self.inputs, batch, depth, cols)
+        positions = positions.view(batch, depth)[:count]  # [count, depth] views of the staged inputs
+        slots = slots.view(batch, depth)[:count]
+        positions += shift[:, None]
+        ctx[:count] += shift
+        block = tables[:count].gather(1, (positions // bs).clamp(max=cols - 1))  # [count, depth]
+        real = torch.arange(depth, device=self.device) < upload(fed, self.device)[:, None]
+        slots.copy_(torch.where(real, block * bs + positions % bs, slots))
 
     @staticmethod
     def _settings(active: list[tuple[Request, int]], batch: int) -> list[list[float]]:
