@@ -219,7 +219,7 @@ def test_sampled_tokens_follow_the_target_distribution_through_head_graphs(qwen3
     spec, padded, chains = llm.engine.speculator, [], []
     run_layout, run_chain = spec.graphs.run_layout, spec.chain_graphs.run_chain
     spec.graphs.run_layout = lambda *a: padded.append(1) or run_layout(*a)
-    spec.chain_graphs.run_chain = lambda *a: chains.append(1) or run_chain(*a)
+    spec.chain_graphs.run_chain = lambda *a, **kw: chains.append(1) or run_chain(*a, **kw)
     prompt = [5, 17, 30, 2, 9]
     counts, outs = _token2_counts(llm, prompt, 4000)
     assert sum(o.num_accepted for o in outs) > 300 and sum(o.num_drafted - o.num_accepted for o in outs) > 300

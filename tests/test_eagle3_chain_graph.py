@@ -27,7 +27,7 @@ def seeded(params: SamplingParams, seed: int) -> SamplingParams:
 def count_chain_runs(spec) -> list[int]:
     runs = []
     run_chain = spec.chain_graphs.run_chain
-    spec.chain_graphs.run_chain = lambda *a: runs.append(1) or run_chain(*a)
+    spec.chain_graphs.run_chain = lambda *a, **kw: runs.append(1) or run_chain(*a, **kw)
     return runs
 
 

@@ -298,7 +298,8 @@ class Engine:
         A speculative step accepted on its fixed shape has the speculator's observe launched ahead where it can
         (Speculator.observe_ahead: an EAGLE-3 / MTP head's forward over the step's positions): queued once the
         acceptance is, before the host waits for it, so the device runs it while the host reads and commits;
-        after_step then only settles it."""
+        after_step then only settles it.  Behind it the next step's draft chain may be queued as well
+        (Speculation.observe_ahead), which the next propose hands out instead of drafting again."""
         started = time.perf_counter()
         eager_before = self.runner.eager_forwards
         if self.speculation is not None:
@@ -339,10 +340,11 @@ class Engine:
 
     def _observe_ahead(self, seqs: list[ScheduledSeq], starts: list[int]):
         """What sample_tokens calls once the step's fixed-shape acceptance is queued (its on_launch): the
-        speculator's observe of the step launched ahead of the host's read, or None without a speculator."""
+        speculator's observe of the step launched ahead of the host's read, and the next chain behind it
+        (Speculation.observe_ahead), or None without a speculator."""
         if self.speculation is None:
             return None
-        return functools.partial(self.speculator.observe_ahead, seqs, starts, self.runner)
+        return functools.partial(self.speculation.observe_ahead, self.scheduler, seqs, starts, self.runner)
 
     def _account(self, seqs: list[ScheduledSeq], emitted: int, eager: bool, seconds: float) -> None:
         """Count a committed step: the stats, the admission batcher's costs and the trace."""

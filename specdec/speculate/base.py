@@ -52,6 +52,16 @@ class Speculator:
         settles it without a second forward.  Returns whether it did (False, as here: observe does it all)."""
         return False
 
+    def propose_ahead(self, seqs: list, ks: list[int], launched) -> bool:
+        """Right behind observe_ahead (which returned True for these seqs), before the host reads the step's
+        acceptance: launch the next step's drafts for seqs[i] at depth ks[i] (capped for every draft kept), so
+        that the next propose hands them out instead of drafting again.  Returns whether it did (False, as
+        here)."""
+        return False
+
+    def drop_ahead(self) -> None:
+        """Drop what propose_ahead launched, where the next step does not use it (a no-op here)."""
+
     def release(self, request: Request) -> None:
         """The request finished or was aborted: drop any per-request state."""
 

@@ -21,6 +21,17 @@ x_11, x_12 and whatever follows the corrected token), and gathers on the device 
 rewrites it, which happens before anything reads it.  `observe` after the commit then only settles the
 bookkeeping.  Steps with a prefill, a tree or a shape the head's graphs do not hold observe after the commit.
 
+Behind that observe the next step's chain can run ahead too (`propose_ahead`, issue 21), so the device goes
+acceptance -> observe -> next chain while the host reads, commits and schedules.  Its first position, the
+next num_tokens - 1 = start + accepted + 1, is known only on the device: the chain is staged as if no draft
+was kept, at start + 1, and shifted there by num_accepted (ChainGraphs.shift_staged: positions, context
+lengths and the real rows' slots from the block tables).  In the example: staged at 10, shifted by 2 to 12.
+k, the shape bucket and the target's blocks are those of the worst case, every draft kept.  The next `propose`
+hands the chain out (placeholders, tokens on the device) where it plans exactly the same chains, and
+otherwise drops it, giving a seeded request's head generator back its draws, so that seeded replies do not
+depend on it.  Only where the next step is sure to decode the same requests (Speculation._ahead_ks), drafts
+are fed from the device and `chain_ahead` is on.
+
 `propose` then draws draft 1 from that output and runs k - 1 one-token forwards, each feeding the draft just
 drawn (a device tensor: no host round trip) beside the head's own previous output, at positions
 num_tokens - 1 onwards.  Those positions are overwritten by the next `observe`, which feeds the verified
@@ -85,6 +96,17 @@ class ObservedAhead(NamedTuple):
     last_logits: torch.Tensor  # [B, V_draft] its logits
 
 
+class ChainAhead(NamedTuple):
+    """A draft chain launched before the host read the acceptance of the step it follows (propose_ahead): what
+    the next propose hands out instead of drafting again, if it plans the same chains."""
+
+    observed: ObservedAhead  # the early observe whose outputs the chain started from
+    ks: dict[str, int]  # request id -> its chain's depth k
+    drafts: DeviceDrafts  # the chains' tokens, row per request (drafts.rows), their copy to the host queued
+    q: dict[str, torch.Tensor]  # request id -> a sampled request's q rows [k, V_draft]
+    generator_states: dict[str, torch.Tensor]  # request id -> its head generator's state before the chain drew
+
+
 class Eagle3Speculator(Speculator):
     name = "eagle3"
     has_draft_model = True  # proposing costs head forwards (the cost model times one: see HeadCostRunner)
@@ -113,13 +135,18 @@ class Eagle3Speculator(Speculator):
                                             max_context=max_context, capture=cuda_graphs,
                                             target_ids=self.target_ids, pool=self.graphs.pool)
         self.step_by_step = False  # True: chains take the step-by-step path even where a chain graph fits
-        self._unread: list[list[int]] = []  # the placeholder lists of device_drafts' rows
+        self._unread: list[tuple[int, list[int]]] = []  # (row of device_drafts, the placeholder list it fills)
         self.early_observe = True  # observe_ahead runs where it can (False: every observe after the commit)
         self._ahead: ObservedAhead | None = None  # the observe launched ahead of the step being committed
+        self._settled: ObservedAhead | None = None  # the last early observe observe() settled
+        self.chain_ahead = True  # propose_ahead launches the next chain where it can (False: every chain in propose)
+        self._chain_launched: ChainAhead | None = None  # the next step's chain, launched ahead (propose_ahead)
         self.runner = HeadCostRunner(self)
         self.stats = {"draft_forwards": 0, "head_tokens_observed": 0, "skipped_no_blocks": 0,
                       "head_eager_forwards": 0,  # forwards that did not fit the padded buckets
-                      "head_observed_ahead": 0}  # steps observed before the host read their acceptance
+                      "head_observed_ahead": 0,  # steps observed before the host read their acceptance
+                      "head_chains_ahead": 0,  # chains launched before the host read the last step's acceptance
+                      "head_chains_ahead_dropped": 0}  # of those, chains the next step did not use
 
     # ------------------------------------------------------------------ after the target's step
 
@@ -204,6 +231,7 @@ class Eagle3Speculator(Speculator):
     def _settle(self, ahead: ObservedAhead) -> None:
         """The committed step's bookkeeping, as observe would leave it: each live request's head holds its
         committed positions, its last output the one gathered at its last accepted position."""
+        self._settled = ahead
         observed = 0
         for row, (seq, start) in enumerate(zip(ahead.seqs, ahead.starts)):
             req = seq.request
@@ -215,10 +243,112 @@ class Eagle3Speculator(Speculator):
             observed += req.num_computed - start
         self.stats["head_tokens_observed"] += observed
 
+    # ------------------------------------------------------------------ the next step's chain, launched ahead
+
+    @torch.inference_mode()
+    def propose_ahead(self, seqs: list[ScheduledSeq], ks: list[int], launched: Launched) -> bool:
+        """Launch the next step's chains right behind this step's early observe, before the host reads how many
+        drafts each sequence kept (issue 21); ks[i]: seqs[i]'s k for the next step, capped for its worst case
+        (every draft kept).  Each chain starts from the observe's output gathered at the sequence's last
+        accepted position, and is staged as if no draft was kept, then shifted on the device by the number
+        kept (ChainGraphs.shift_staged).  The next propose hands the chains out if it plans the same ones
+        (_take_ahead), else drops them (drop_ahead).  Only where this step was observed ahead, drafts are fed
+        from the device (defer_reads), chains are on (chain_ahead, tree_width 1, a chain graph) and the
+        worst case's shape fits; returns whether it launched."""
+        self.drop_ahead()  # (a chain launched ahead is consumed or dropped by the propose after it: a guard)
+        ahead = self._ahead
+        if not (self.chain_ahead and self.defer_reads) or ahead is None or ahead.seqs is not seqs:
+            return False
+        if self.tree_width != 1 or self.chain_graphs is None or self.step_by_step:
+            return False
+        plan = self._ahead_plan(seqs, ahead.starts, ks)
+        if plan is None:
+            return False
+        active = [(req, k) for _, req, k in plan]
+        # where each chain starts: staged as if no draft was kept, start + 1; at worst start + num_drafts + 1
+        firsts = [ahead.starts[row] + 1 for row, _, _ in plan]
+        worst = [first + seqs[row].num_drafts for first, (row, _, _) in zip(firsts, plan)]
+        shape = self.chain_graphs.chain_shape(active, worst)
+        if not self.chain_graphs.shape_fits(shape):
+            return False
+        rows = upload([row for row, _, _ in plan], self.device)  # [B] each chain's sequence in the step
+        saved = {req.request_id: self._state(req).generator.get_state() for req, _ in active
+                 if self._state(req).generator is not None}
+        uniforms = self._chain_uniforms(active)  # [B, k_max, 1] or None
+        tokens, q = self.chain_graphs.run_chain(
+            active, shape, ahead.last.index_select(0, rows), ahead.last_logits.index_select(0, rows),
+            None if uniforms is None else uniforms[:, :, 0], firsts=firsts,
+            shift=launched.num_accepted.index_select(0, rows))
+        self.stats["draft_forwards"] += active[0][1] - 1
+        q_rows = self._q_rows(active, lambda row, k: [q[row, :k]])
+        sampled_q = {req.request_id: next(q_rows) for req, _ in active if not req.params.greedy}
+        drafts = DeviceDrafts.queued(tokens, {req.request_id: row for row, (req, _) in enumerate(active)})
+        self._chain_launched = ChainAhead(ahead, {req.request_id: k for req, k in active}, drafts, sampled_q, saved)
+        self.stats["head_chains_ahead"] += 1
+        return True
+
+    def _ahead_plan(self, seqs: list[ScheduledSeq], starts: list[int], ks: list[int]
+                    ) -> list[tuple[int, Request, int]] | None:
+        """(row of the step, request, k) of each chain to launch ahead, longest k first: k capped, and the
+        target's blocks taken, for the request's worst case, every draft kept (num_tokens start + num_drafts
+        + 2 after the commit), so the chain fits whatever is kept; None where blocks run out.  The blocks past
+        what the commit keeps go back to the free list at the commit (Engine._trim_blocks), after the chain
+        in stream order."""
+        plan = []
+        for row, (seq, start, k) in enumerate(zip(seqs, starts, ks)):
+            req = seq.request
+            most = start + seq.num_drafts + 2
+            k = self._chain_depth(req, k, most) if k > 0 else 0
+            if k <= 0:
+                continue
+            if k > 1 and not self._blocks_for_chain(req, k, most):
+                return None
+            plan.append((row, req, k))
+        plan.sort(key=lambda item: -item[2])  # longest chain first, as _chain
+        return plan or None
+
+    def _take_ahead(self, requests: list[Request], active: list[tuple[Request, int]]) -> bool:
+        """Hand out the chains propose_ahead launched, as _chain_in_graph does with defer_reads (placeholders,
+        the tokens on the device), where they are exactly the chains planned here (active): the same requests
+        at the same depths, each drafting from the early observe the commit settled.
+
+        A request of the launched chains that finished at the commit is left out: its chain wrote the head's
+        keys at positions past its end, in blocks the commit released after the chain in stream order (any
+        later owner of those blocks writes them before it reads them).  Anything else that differs (a request
+        not drafting now, another k, the head's state not that observe's) and the chains are dropped."""
+        launched = self._chain_launched
+        if launched is None or not active or launched.observed is not self._settled:
+            return False
+        live = {req.request_id for req in requests}
+        if {rid: k for rid, k in launched.ks.items() if rid in live} != {req.request_id: k for req, k in active}:
+            return False
+        self._chain_launched = None
+        self._give(active, [[[PLACEHOLDER]] * k for _, k in active],
+                   iter([launched.q[req.request_id] for req, _ in active if not req.params.greedy]))
+        self.device_drafts = launched.drafts
+        self._unread = [(launched.drafts.rows[req.request_id], req.draft_token_ids) for req, _ in active]
+        return True
+
+    def drop_ahead(self) -> None:
+        """Drop the chains propose_ahead launched, if any: their tokens are never read, and each seeded
+        request's head generator gets back the draws they took, so a seeded reply is the same whether or not
+        a chain ran ahead (the chain drafted again in propose draws them anew)."""
+        launched, self._chain_launched = self._chain_launched, None
+        if launched is None:
+            return
+        for request_id, generator_state in launched.generator_states.items():
+            state = self.states.get(request_id)
+            if state is not None:
+                state.generator.set_state(generator_state)
+        self.stats["head_chains_ahead_dropped"] += 1
+
     # ------------------------------------------------------------------ before the target's step
 
     @torch.inference_mode()
     def propose(self, requests: list[Request], ks: list[int]) -> None:
+        """Each request's chain of up to ks[i] drafts.  Where propose_ahead launched this step's chains already
+        and they are the chains planned here, they are handed out instead of drafted again; otherwise they are
+        dropped (drop_ahead) and the chains drafted here."""
         self.read_drafts()  # (the engine has read them already: this only guards against a stale chain)
         active = []
         for req, k in zip(requests, ks):
@@ -226,14 +356,21 @@ class Eagle3Speculator(Speculator):
             state = self.states.get(req.request_id)
             if k <= 0 or state is None or state.last is None or state.computed != req.num_tokens - 1:
                 continue  # the head has not seen this request's newest position (nothing to draft from)
-            k = min(k, self.max_positions - req.num_tokens + 1)
-            if k > 1 and not self._blocks_for_chain(req, k):
+            k = self._chain_depth(req, k, req.num_tokens)
+            if k > 1 and not self._blocks_for_chain(req, k, req.num_tokens):
                 k = 1  # the first draft needs no head forward, so no block
                 self.stats["skipped_no_blocks"] += 1
             if k > 0:
                 active.append((req, k))
+        if self._take_ahead(requests, active):
+            return
+        self.drop_ahead()
         if active:
             self._chain(active)
+
+    def _chain_depth(self, req: Request, k: int, num_tokens: int) -> int:
+        """k capped where the head has positions: a chain from num_tokens - 1 writes up to num_tokens + k - 3."""
+        return min(k, self.max_positions - num_tokens + 1)
 
     def tree_nodes(self, k: int) -> int:
         """Draft tokens a verify step of depth k feeds per request."""
@@ -291,7 +428,7 @@ class Eagle3Speculator(Speculator):
         if self.defer_reads:  # placeholders now: the runner feeds the tokens from the device, read_drafts fills them
             self._give(active, [[[PLACEHOLDER]] * k for _, k in active], q_rows)
             self.device_drafts = DeviceDrafts.queued(tokens, {req.request_id: row for row, (req, _) in enumerate(active)})
-            self._unread = [req.draft_token_ids for req, _ in active]
+            self._unread = [(row, req.draft_token_ids) for row, (req, _) in enumerate(active)]
             return
         rows = tokens.tolist()  # [B, depth]: the one host sync
         self._give(active, [[[t] for t in rows[row][:k]] for row, (_, k) in enumerate(active)], q_rows)
@@ -302,7 +439,7 @@ class Eagle3Speculator(Speculator):
         if self.device_drafts is None:
             return
         rows = self.device_drafts.read()  # [B, depth]
-        for row, placeholders in enumerate(self._unread):
+        for row, placeholders in self._unread:
             placeholders[:] = rows[row][:len(placeholders)]
         self.device_drafts, self._unread = None, []
 
@@ -367,9 +504,10 @@ class Eagle3Speculator(Speculator):
                            self.target_vocab, self.target_ids, map_q=False, draws=self.tree_width,
                            uniforms=None if uniforms is None else uniforms[:len(reqs), step])
 
-    def _blocks_for_chain(self, req: Request, k: int) -> bool:
-        """Blocks of the target's tables up to the chain's last position, num_tokens + k - 3."""
-        need = self.blocks.blocks_for(req.num_tokens + k - 2) - len(req.block_ids)
+    def _blocks_for_chain(self, req: Request, k: int, num_tokens: int) -> bool:
+        """Blocks of the target's tables up to the chain's last position, num_tokens + k - 3 (num_tokens: the
+        request's when the chain drafts; for a chain launched ahead, the most it can have by then)."""
+        need = self.blocks.blocks_for(num_tokens + k - 2) - len(req.block_ids)
         if need <= 0:
             return True
         fresh = self.blocks.allocate(need)

@@ -6,7 +6,9 @@
     after the step    after_step(...): the speculator observes what the target's forward computed (the
                       features of the layers it asked for, for every fed position: no extra forward), the
                       controller learns the step's cost.  (Where the engine offered the speculator the step
-                      before reading its acceptance, Speculator.observe_ahead, observe only settles that.)
+                      before reading its acceptance, Speculator.observe_ahead, observe only settles that; and
+                      the next step's drafts may be launched there too, Speculator.propose_ahead, which the
+                      next propose hands out if it plans the same ones.)
     per request       verified(req, drafts, accepted) when its drafts were checked, release(req) when it ends
 """
 
@@ -53,6 +55,7 @@ class Speculation:
         self.decoding = len(decoding)
         k = self.controller.choose([r.request_id for r in decoding], min(prefill, self.step_budget))
         if not k:  # a plain step: no speculator work (a host-bound step at 64 sequences is ~1.3 ms)
+            self.speculator.drop_ahead()  # drafts launched ahead of the last commit go unused
             for r in decoding:
                 if r.draft_token_ids:  # drafts of a step that left this request out
                     r.clear_drafts()
@@ -68,6 +71,38 @@ class Speculation:
         gained = gained if gained is not None else [0] * len(requests)
         return [max(0, min(k, r.params.max_tokens - (len(r.output_token_ids) + g) - 1,
                            self.max_model_len - (r.num_tokens + g) - 1)) for r, g in zip(requests, gained)]
+
+    def observe_ahead(self, scheduler: Scheduler, seqs: list[ScheduledSeq], starts: list[int], runner,
+                      launched) -> None:
+        """sample_tokens' on_launch for a step accepted on its fixed shape (launched: its acceptance, still on the
+        device): the speculator's observe of the step launched before the host reads it (Speculator.observe_ahead),
+        and behind that the next step's drafts (Speculator.propose_ahead) where the next step is sure to decode
+        the same requests (_ahead_ks)."""
+        if not self.speculator.observe_ahead(seqs, starts, runner, launched):
+            return
+        ks = self._ahead_ks(scheduler, seqs, starts)
+        if ks is not None:
+            self.speculator.propose_ahead(seqs, ks, launched)
+
+    def _ahead_ks(self, scheduler: Scheduler, seqs: list[ScheduledSeq], starts: list[int]) -> list[int] | None:
+        """Each sequence's k for the next step's drafts, where they may be launched before this step's commit,
+        else None.  As overlap.schedules_alike: nobody waits for admission, every running request is in this
+        step (each decoding a chain: observe_ahead checked), and the free blocks cover each one's next verify
+        even with every draft of this step kept (nobody is preempted); and the drafts are fed from the device
+        (defer_reads: the next step stages placeholders).  k: the one the controller chose for this step
+        (choosing again here would move its probes and estimates; the next propose chooses, and a k that differs
+        drops what was launched), capped for the worst case by capped_ks."""
+        reqs = [s.request for s in seqs]
+        if not self.speculator.defer_reads or scheduler.waiting or scheduler.out_of_cache:
+            return None
+        if scheduler.running != reqs or len(reqs) > scheduler.max_num_batched_tokens or not self.controller.last_k:
+            return None
+        ks = self.capped_ks(reqs, self.controller.last_k, [1 + s.num_drafts for s in seqs])
+        # with all d drafts kept num_tokens is start + d + 2, and the next verify feeds up to position start + d + 1 + k
+        blocks = scheduler.blocks
+        need = sum(max(0, blocks.blocks_for(start + s.num_drafts + 2 + k) - len(s.request.block_ids))
+                   for s, start, k in zip(seqs, starts, ks))
+        return ks if any(ks) and need <= blocks.num_free else None
 
     def scheduled(self, seqs: list[ScheduledSeq]) -> None:
         """The step's plan is made: tell the controller the drafts each drafted request really verifies (its
