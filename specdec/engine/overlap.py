@@ -16,7 +16,8 @@ after the commit: nobody waits for admission, every running request was in the s
 and the free blocks cover every request's next token (no preemption).  Anything else, a speculator being set
 included, first commits the step in flight, then runs as without overlap.  A speculative step is never left in
 flight; what runs ahead of its host work is the head's observe instead (Speculator.observe_ahead: queued behind
-the step's fixed-shape acceptance, before the host reads it; speculate/eagle3.py).
+the step's fixed-shape acceptance, before the host reads it; speculate/eagle3.py), and behind it the next step's
+draft chain (Speculator.propose_ahead), under the same conditions as here (Speculation._ahead_ks).
 
 A request that finishes when step N is committed was still fed in step N+1: that token and its KV slot are
 dropped (its blocks are released as for any finished request, before the device has run N+1; on a GPU any
