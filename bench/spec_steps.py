@@ -333,11 +333,14 @@ def measure(name: str, make, prompts: list[str], tokens: int, device: torch.devi
     return row
 
 
-def with_early_observe(llm: LLM, early: bool | None) -> LLM:
-    """The LLM with its head's early observe set as asked (None: left as the speculator has it)."""
+def with_head_switches(llm: LLM, early: bool | None, chain_ahead: bool | None) -> LLM:
+    """The LLM with its head's early observe and chain ahead set as asked (None: left as the speculator has
+    them)."""
     speculator = llm.engine.speculator
     if early is not None and hasattr(speculator, "early_observe"):
         speculator.early_observe = early
+    if chain_ahead is not None and hasattr(speculator, "chain_ahead"):
+        speculator.chain_ahead = chain_ahead
     return llm
 
 
@@ -366,6 +369,9 @@ def main(argv=None) -> int:
     parser.add_argument("--early-observe", action=argparse.BooleanOptionalAction, default=None,
                         help="an EAGLE-3 / MTP head's observe launched before the host reads acceptance "
                              "(Eagle3Speculator.early_observe; default: the speculator's)")
+    parser.add_argument("--chain-ahead", action=argparse.BooleanOptionalAction, default=None,
+                        help="an EAGLE-3 / MTP head's next chain launched behind its early observe "
+                             "(Eagle3Speculator.chain_ahead; default: the speculator's)")
     parser.add_argument("--attention-backend", default=None, choices=("sdpa", "triton"),
                         help="the engines' attention (default: the engine's, triton on a GPU)")
     parser.add_argument("--profile-steps", type=int, default=0,
@@ -400,15 +406,15 @@ def main(argv=None) -> int:
                                                                   **head)
     results = {"env": environment(device), "attention_backend": args.attention_backend or "engine default",
                "fixed_acceptance": args.fixed_acceptance, "device_drafts": args.device_drafts,
-               "early_observe": args.early_observe, "target": f"{args.target} as {args.target_twin} twin",
+               "early_observe": args.early_observe, "chain_ahead": args.chain_ahead, "target": f"{args.target} as {args.target_twin} twin",
                "drafter": f"{args.draft} as {args.draft_twin} twin", "tokens": args.tokens, "batch": args.batch,
                "temperature": args.temperature, "rows": []}
     # plain-overlap: plain decoding with overlapped steps (engine/overlap.py), which needs fixed acceptance
     overrides = {"plain-overlap": dict(overlap_steps=True, fixed_acceptance=True, static_shapes=True)}
     for name in args.configs.split(","):
         options = {**engine, **overrides.get(name, {})}
-        row = measure(name, lambda: with_early_observe(LLM(args.target, speculator=configs[name], **options),
-                                                       args.early_observe),
+        row = measure(name, lambda: with_head_switches(LLM(args.target, speculator=configs[name], **options),
+                                                       args.early_observe, args.chain_ahead),
                       prompts, args.tokens, device, args.profile_steps, args.batch, args.temperature)
         results["rows"].append(row)
         print(json.dumps(row), flush=True)
