@@ -265,7 +265,10 @@ class Eagle3Speculator(Speculator):
         if plan is None:
             return False
         active = [(req, k) for _, req, k in plan]
-        # where each chain starts: staged as if no draft was kept, start + 1; at worst start + num_drafts + 1
+        # where each chain starts: staged as if no draft was kept, start + 1; at worst start + num_drafts + 1.
+        # Example: a step fed positions 9..12 (start 9, 3 drafts): staged at 10, the bucket's context holding a
+        # start of 13 (all 3 kept); the device adds num_accepted, say 2: first position 12 = the next
+        # num_tokens - 1 (num_computed 9 + 2 + 1 = 12 after the commit, num_tokens 13).
         firsts = [ahead.starts[row] + 1 for row, _, _ in plan]
         worst = [first + seqs[row].num_drafts for first, (row, _, _) in zip(firsts, plan)]
         shape = self.chain_graphs.chain_shape(active, worst)

@@ -98,7 +98,9 @@ class Speculation:
         if scheduler.running != reqs or len(reqs) > scheduler.max_num_batched_tokens or not self.controller.last_k:
             return None
         ks = self.capped_ks(reqs, self.controller.last_k, [1 + s.num_drafts for s in seqs])
-        # with all d drafts kept num_tokens is start + d + 2, and the next verify feeds up to position start + d + 1 + k
+        # with all d drafts kept num_tokens is start + d + 2, and the next verify feeds up to position
+        # start + d + 1 + k.  Example: start 9, d 3, k 4: at worst num_tokens 14 after the commit, the next
+        # verify feeds positions 13..17, which need the blocks of 18 tokens.
         blocks = scheduler.blocks
         need = sum(max(0, blocks.blocks_for(start + s.num_drafts + 2 + k) - len(s.request.block_ids))
                    for s, start, k in zip(seqs, starts, ks))
