@@ -19,6 +19,15 @@ and outputs [4, H] are padded rows 0..3 read back.  With counts 1 and 3: row ind
 Ids come from the host, or from the device without a host sync: a chain step's drawn drafts (one per
 sequence), or an observe launched ahead of the host's read of acceptance (speculate/eagle3.py observe_ahead),
 fed the acceptance's emitted tokens [B, q] as they lie there, row i sequence i's.
+
+Logits or not: a forward's graph computes the outputs' logits over the draft vocabulary beside them (the next
+chain's first draw reads them), a GEMV over the whole LM head on every row.  An observe of a step that drafted
+nothing (k = 0, often under load) is rarely followed by a chain, so it runs a second HeadGraphs built
+`with_logits=False`, which returns the outputs alone (logits None; a chain after it computes them from the
+head's last output).  A second instance rather than a flag in the graph key: StaticRunner keys its graphs, its
+precaptured `shapes` and its q ladder by (batch, q, context), and an instance of its own keeps that key and
+captures only q = 1 (max_q 1: the one position a sequence that a k = 0 decode step commits), sharing the head's
+KV cache and graph pool as ChainGraphs does.  Observes of other shapes keep the graphs with logits.
 """
 
 from __future__ import annotations
@@ -35,8 +44,13 @@ Layout = list[tuple[list[int], int, int]]  # per sequence: (block ids, first pos
 
 class HeadGraphs(StaticRunner):
     def __init__(self, head: Eagle3Head, kv_cache: KVCache, device: torch.device, max_batch: int, max_q: int,
-                 max_context: int, capture: bool):
+                 max_context: int, capture: bool, with_logits: bool = True, pool=None):
+        """with_logits: whether a forward computes its outputs' logits too (the module's note); pool: another
+        HeadGraphs' graph pool to share (they replay one after another)."""
         super().__init__(head, kv_cache, device, max_batch, max_q, max_context, capture)
+        self.with_logits = with_logits
+        if pool is not None:
+            self.pool = pool
         rows = self.max_batch * max_q
         self.states = torch.zeros(rows, head.config.layer.hidden_size, dtype=head.lm_head.weight.dtype,
                                   device=device)  # [rows, H] the padded forward's input states
@@ -47,9 +61,9 @@ class HeadGraphs(StaticRunner):
 
     @torch.inference_mode()
     def run_layout(self, layout: Layout, shape: tuple[int, int, int], ids: list[int] | torch.Tensor,
-                   states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The head's outputs [T, H] and their logits [T, V_draft] (views of a fresh tensor) for T = sum of the
-        layout's token counts, padded to shape (layout_shape), fed ids beside states [T, H].  ids: a host list
+                   states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The head's outputs [T, H] and their logits [T, V_draft] (views of a fresh tensor; None without
+        with_logits) for T = sum of the layout's token counts, padded to shape (layout_shape), fed ids beside states [T, H].  ids: a host list
         [T]; or a device tensor (no host sync): [T] when every sequence feeds one token, or a grid [B_ids, q_ids]
         whose row i holds sequence i's ids first (count_i <= q_ids; what follows in the row is never read)."""
         batch, q, context = shape
@@ -66,7 +80,9 @@ class HeadGraphs(StaticRunner):
             grid = ids.view(-1, 1) if ids.dim() == 1 else ids  # [B_ids, q_ids]
             self._fill_ids(_input_views(self.inputs, batch, q, cols)[0].view(batch, q), grid, len(layout))
         self.states.index_copy_(0, index_view, states)
-        out = self._forward(batch, q, context).index_select(0, index_view)  # [T, H + V_draft]
+        out = self._forward(batch, q, context).index_select(0, index_view)  # [T, H + V_draft], or [T, H]
+        if not self.with_logits:
+            return out, None
         hidden = self.states.shape[1]
         return out[:, :hidden], out[:, hidden:]
 
@@ -81,6 +97,9 @@ class HeadGraphs(StaticRunner):
         padded[:num_seqs, :width].copy_(grid[:num_seqs, :width].clamp(min=0))
 
     def _call(self, ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBatch, rows: int) -> torch.Tensor:
-        """[rows, H + V_draft]: the head's outputs beside their logits (the next draw's, inside the graph)."""
+        """[rows, H + V_draft]: the head's outputs beside their logits (the next draw's, inside the graph); without
+        with_logits the outputs alone [rows, H]."""
         hidden = self.model(ids, positions, self.states[:rows], attn, self.kv_cache.layers[0])
+        if not self.with_logits:
+            return hidden
         return torch.cat([hidden, self.model.logits(hidden).to(hidden.dtype)], dim=-1)
