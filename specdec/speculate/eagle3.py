@@ -50,6 +50,11 @@ replayed as CUDA graphs, inputs staged without waiting for the device; an observ
 positions runs eagerly beside them.  A chain (tree_width 1) whose shape fits runs whole as one ChainGraphs
 replay (specdec/speculate/chain_graph.py): every draw and forward on the device, settings and uniforms as
 tensors; trees and shapes that do not fit go step by step.
+
+An observe of a step that drafted nothing (k = 0 for every sequence) skips its outputs' logits, a GEMV over the
+head's whole LM head (specdec/speculate/head_graphs.py's note): the head's state keeps last_logits None, and the
+chain that drafts from it next, if any, computes them from its last output (`observe_logits_always`: always
+compute them, as before).
 """
 
 from __future__ import annotations
@@ -93,7 +98,7 @@ class ObservedAhead(NamedTuple):
     seqs: list[ScheduledSeq]  # the step's sequences (the list itself: observe settles only that step)
     starts: list[int]  # seqs[i]'s first fed position
     last: torch.Tensor  # [B, H] the head's output at each sequence's last accepted position
-    last_logits: torch.Tensor  # [B, V_draft] its logits
+    last_logits: torch.Tensor | None  # [B, V_draft] its logits; None when the step drafted nothing
 
 
 class ChainAhead(NamedTuple):
@@ -127,16 +132,21 @@ class Eagle3Speculator(Speculator):
         self.target_ids = head.target_ids()  # [V_draft]
         self.max_positions = head.config.layer.max_position_embeddings
         self.states: dict[str, HeadState] = {}
-        self.graphs = self.chain_graphs = None
+        self.graphs = self.graphs_without_logits = self.chain_graphs = None
         if static_shapes:  # q up to 33: an observe after a verify of up to 32 drafts, as the target's steps
             self.graphs = HeadGraphs(head, self.kv, self.device, max_batch, max_q=33, max_context=max_context,
                                      capture=cuda_graphs)
+            # an observe after a step that drafted nothing: one position a sequence, outputs without logits
+            self.graphs_without_logits = HeadGraphs(head, self.kv, self.device, max_batch, max_q=1,
+                                                    max_context=max_context, capture=cuda_graphs,
+                                                    with_logits=False, pool=self.graphs.pool)
             self.chain_graphs = ChainGraphs(head, self.kv, self.device, max_batch, max_depth=32,
                                             max_context=max_context, capture=cuda_graphs,
                                             target_ids=self.target_ids, pool=self.graphs.pool)
         self.step_by_step = False  # True: chains take the step-by-step path even where a chain graph fits
         self._unread: list[tuple[int, list[int]]] = []  # (row of device_drafts, the placeholder list it fills)
         self.early_observe = True  # observe_ahead runs where it can (False: every observe after the commit)
+        self.observe_logits_always = False  # True: observes compute logits even after a step without drafts
         self._ahead: ObservedAhead | None = None  # the observe launched ahead of the step being committed
         self._settled: ObservedAhead | None = None  # the last early observe observe() settled
         self.chain_ahead = True  # propose_ahead launches the next chain where it can (False: every chain in propose)
@@ -146,7 +156,8 @@ class Eagle3Speculator(Speculator):
                       "head_eager_forwards": 0,  # forwards that did not fit the padded buckets
                       "head_observed_ahead": 0,  # steps observed before the host read their acceptance
                       "head_chains_ahead": 0,  # chains launched before the host read the last step's acceptance
-                      "head_chains_ahead_dropped": 0}  # of those, chains the next step did not use
+                      "head_chains_ahead_dropped": 0,  # of those, chains the next step did not use
+                      "head_observes_without_logits": 0}  # observes of a step without drafts that skipped logits
 
     # ------------------------------------------------------------------ after the target's step
 
@@ -167,15 +178,24 @@ class Eagle3Speculator(Speculator):
             rows.append((req, start, count, req.token_ids_between(start + 1, start + 1 + count),
                          runner.step_features(i, count)))
         short = self.graphs.max_q if self.graphs is not None else 0
+        with_logits = self._observe_with_logits(seqs)
         for group in ([r for r in rows if r[2] <= short], [r for r in rows if r[2] > short]):
             if group:
-                self._observe(group)
+                self._observe(group, with_logits)
 
-    def _observe(self, rows) -> None:
+    def _observe_with_logits(self, seqs: list[ScheduledSeq]) -> bool:
+        """Whether an observe of this step computes its outputs' logits: where some sequence had drafts (the next
+        step likely drafts too, and its chain reads them), or always with observe_logits_always."""
+        return self.observe_logits_always or any(seq.num_drafts > 0 for seq in seqs)
+
+    def _observe(self, rows, with_logits: bool) -> None:
         """One head forward over these rows' positions; each request keeps its output at its last one."""
         ids = [t for row in rows for t in row[3]]
         states = self.head.project(torch.cat([row[4] for row in rows]))  # [T, H]
-        out, logits = self._forward(ids, states, [(req.block_ids, start, count) for req, start, count, _, _ in rows])
+        out, logits = self._forward(ids, states, [(req.block_ids, start, count) for req, start, count, _, _ in rows],
+                                    with_logits)
+        if not with_logits and logits is None:
+            self.stats["head_observes_without_logits"] += 1
         end = 0
         for req, start, count, _, _ in rows:
             end += count
@@ -199,17 +219,22 @@ class Eagle3Speculator(Speculator):
         writes that land in blocks the commit then trims are queued before, in stream order, any later use of
         those blocks."""
         layout = self._ahead_layout(seqs, starts)
-        if layout is None:
+        with_logits = self._observe_with_logits(seqs)
+        picked = None if layout is None else self._graphs_for(layout, with_logits)
+        if picked is None:
             return False
+        graphs, shape = picked
         counts = [count for _, _, count in layout]
         features = torch.cat([runner.step_features(i, count) for i, count in enumerate(counts)])  # [T, 3 H_t]
-        shape = self.graphs.layout_shape(layout)
-        out, logits = self.graphs.run_layout(layout, shape, launched.tokens, self.head.project(features))
+        out, logits = graphs.run_layout(layout, shape, launched.tokens, self.head.project(features))
+        if logits is None:
+            self.stats["head_observes_without_logits"] += 1
         # sequence i's outputs are rows offset_i .. offset_i + count_i - 1, its last accepted one offset_i + a_i.
         # Example: counts 3 and 2 (offsets 0, 3), accepted 1 and 0: rows 1 and 3.
         offsets = [sum(counts[:i]) for i in range(len(counts))]
         rows = upload(offsets, self.device) + launched.num_accepted  # [B] on the device: no host sync
-        self._ahead = ObservedAhead(seqs, list(starts), out.index_select(0, rows), logits.index_select(0, rows))
+        self._ahead = ObservedAhead(seqs, list(starts), out.index_select(0, rows),
+                                    None if logits is None else logits.index_select(0, rows))
         self.stats["head_observed_ahead"] += 1
         return True
 
@@ -217,7 +242,7 @@ class Eagle3Speculator(Speculator):
         """The head forward's layout (block ids, first position, count) of observing every fed position of a
         step, or None where the step must be observed after its commit: early observes off, no head graphs, a
         sequence that does not decode a chain from its newest token (a prefill, a tree, a step that does not
-        sample), a position past the head's, or a padded shape that does not fit."""
+        sample) or a position past the head's.  (observe_ahead then needs head graphs that hold its shape.)"""
         if not self.early_observe or self.graphs is None:
             return None
         for seq, start in zip(seqs, starts):
@@ -225,8 +250,7 @@ class Eagle3Speculator(Speculator):
             decoding = seq.samples and seq.tree_parents is None and seq.num_new == 1 + seq.num_drafts
             if not decoding or start != req.num_computed or start + seq.num_new > self.max_positions:
                 return None
-        layout = [(seq.request.block_ids, start, seq.num_new) for seq, start in zip(seqs, starts)]
-        return layout if self.graphs.shape_fits(self.graphs.layout_shape(layout)) else None
+        return [(seq.request.block_ids, start, seq.num_new) for seq, start in zip(seqs, starts)]
 
     def _settle(self, ahead: ObservedAhead) -> None:
         """The committed step's bookkeeping, as observe would leave it: each live request's head holds its
@@ -239,7 +263,8 @@ class Eagle3Speculator(Speculator):
                 continue
             state = self._state(req)
             state.computed = req.num_computed  # start + accepted + 1
-            state.last, state.last_logits = ahead.last[row:row + 1], ahead.last_logits[row:row + 1]
+            state.last = ahead.last[row:row + 1]
+            state.last_logits = None if ahead.last_logits is None else ahead.last_logits[row:row + 1]
             observed += req.num_computed - start
         self.stats["head_tokens_observed"] += observed
 
@@ -278,8 +303,13 @@ class Eagle3Speculator(Speculator):
         saved = {req.request_id: self._state(req).generator.get_state() for req, _ in active
                  if self._state(req).generator is not None}
         uniforms = self._chain_uniforms(active)  # [B, k_max, 1] or None
+        states = ahead.last.index_select(0, rows)  # [B, H]
+        if ahead.last_logits is None:  # observed without logits (a step without drafts): computed here
+            logits = self.head.logits(states)  # [B, V_draft]
+        else:
+            logits = ahead.last_logits.index_select(0, rows)
         tokens, q = self.chain_graphs.run_chain(
-            active, shape, ahead.last.index_select(0, rows), ahead.last_logits.index_select(0, rows),
+            active, shape, states, logits,
             None if uniforms is None else uniforms[:, :, 0], firsts=firsts,
             shift=launched.num_accepted.index_select(0, rows))
         self.stats["draft_forwards"] += active[0][1] - 1
@@ -521,15 +551,16 @@ class Eagle3Speculator(Speculator):
 
     # ------------------------------------------------------------------ the head's forward
 
-    def _forward(self, ids: list[int] | torch.Tensor, states: torch.Tensor, layout: list[tuple[list[int], int, int]]
-                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _forward(self, ids: list[int] | torch.Tensor, states: torch.Tensor, layout: list[tuple[list[int], int, int]],
+                 with_logits: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
         """ids [T] (host list or device tensor), states [T, H]; layout: per sequence (block ids, first position,
         tokens), rows in order -> (the head's outputs [T, H], their logits [T, V_draft] from a padded forward, or
-        None from an eager one); its keys/values are written at those positions."""
-        if self.graphs is not None:
-            shape = self.graphs.layout_shape(layout)
-            if self.graphs.shape_fits(shape):
-                return self.graphs.run_layout(layout, shape, ids, states)
+        None from an eager one, or from graphs without logits where with_logits is False and they hold its shape);
+        its keys/values are written at those positions."""
+        picked = self._graphs_for(layout, with_logits)
+        if picked is not None:
+            graphs, shape = picked
+            return graphs.run_layout(layout, shape, ids, states)
         self.stats["head_eager_forwards"] += 1
         starts, ctx, positions, slots = [0], [], [], []
         for blocks, start, count in layout:
@@ -543,13 +574,27 @@ class Eagle3Speculator(Speculator):
             ids = upload(ids, self.device)
         return self.head(ids, positions, states, batch, self.kv.layers[0]), None
 
-    def precapture_graphs(self, ks: list[int]) -> int:
+    def _graphs_for(self, layout: Layout, with_logits: bool) -> tuple[HeadGraphs, tuple[int, int, int]] | None:
+        """The head graphs that run a forward of this layout, and its shape bucket there; None: it runs eagerly.
+        Without logits, the graphs that skip them where they hold the shape (q = 1), else those that compute them."""
+        for graphs in ((self.graphs,) if with_logits else (self.graphs_without_logits, self.graphs)):
+            if graphs is not None:
+                shape = graphs.layout_shape(layout)
+                if graphs.shape_fits(shape):
+                    return graphs, shape
+        return None
+
+    def precapture_graphs(self, ks: list[int], eager: bool = False) -> int:
         """Capture the head's buckets before serving: chain steps (q = 1) and observes after a verify of each
-        k the controller may choose (q = k + 1), and for chains a chain graph of each depth k.  Returns how many
-        shapes."""
-        if self.graphs is None or not self.graphs.capture:
+        k the controller may choose (q = k + 1), observes without logits after a step of k = 0 (q = 1), and for
+        chains a chain graph of each depth k.  eager: where forwards run without graphs (a CPU), run and record
+        the shapes all the same (how the tests check them).  Returns how many shapes."""
+        if self.graphs is None or not (self.graphs.capture or eager):
             return 0
         count = self.graphs.precapture([1] + [k + 1 for k in ks])
+        # one more graph per (batch, context) bucket at q = 1, as many as the q = 1 shapes above (e.g. batches
+        # 1 .. 256 x contexts 256 .. 8192: 9 x 6 = 54)
+        count += self.graphs_without_logits.precapture([1])
         if self.tree_width == 1:  # a chain of each depth k as one graph
             count += self.chain_graphs.precapture(ks)
         return count
