@@ -39,6 +39,19 @@ REMOTE_COUNTERS = {
     "remote_recoveries": ("remote_draft_recoveries", "Times the /draft server answered again after failing"),
 }
 
+# present only with a drafter (draft_forwards) or an EAGLE-3 / MTP head (speculate/eagle3.py: what its work runs
+# ahead of the host, and where)
+HEAD_COUNTERS = {
+    "draft_forwards": ("spec_draft_forwards", "Forwards of the drafter or head that drafted"),
+    "head_eager_forwards": ("head_eager_forwards", "Head forwards outside its fixed-shape (CUDA graph) path"),
+    "head_observed_ahead": ("head_observed_ahead", "Steps whose head observe was queued before the host read their "
+                                                   "acceptance"),
+    "head_chains_ahead": ("head_chains_ahead", "Draft chains queued before the host read the last step's acceptance"),
+    "head_chains_ahead_dropped": ("head_chains_ahead_dropped", "Chains queued ahead that the next step did not use"),
+    "head_observes_without_logits": ("head_observes_without_logits", "Head observes of a step without drafts that "
+                                                                     "skipped the head's logits"),
+}
+
 
 class ServerMetrics:
     def __init__(self, engine_loop):
@@ -71,7 +84,7 @@ class _EngineCollector:
             yield CounterMetricFamily(f"specdec_{name}", doc, value=snap.get(key, 0))
         for key, (name, doc) in ENGINE_GAUGES.items():
             yield GaugeMetricFamily(f"specdec_{name}", doc, value=snap.get(key, 0))
-        for key, (name, doc) in REMOTE_COUNTERS.items():
+        for key, (name, doc) in {**REMOTE_COUNTERS, **HEAD_COUNTERS}.items():
             if key in snap:
                 yield CounterMetricFamily(f"specdec_{name}", doc, value=snap[key])
         if "remote_fallback" in snap:
