@@ -406,7 +406,8 @@ def main(argv=None) -> int:
                                                                   **head)
     results = {"env": environment(device), "attention_backend": args.attention_backend or "engine default",
                "fixed_acceptance": args.fixed_acceptance, "device_drafts": args.device_drafts,
-               "early_observe": args.early_observe, "chain_ahead": args.chain_ahead, "target": f"{args.target} as {args.target_twin} twin",
+               "early_observe": args.early_observe, "chain_ahead": args.chain_ahead,
+               "target": f"{args.target} as {args.target_twin} twin",
                "drafter": f"{args.draft} as {args.draft_twin} twin", "tokens": args.tokens, "batch": args.batch,
                "temperature": args.temperature, "rows": []}
     # plain-overlap: plain decoding with overlapped steps (engine/overlap.py), which needs fixed acceptance

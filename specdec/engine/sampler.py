@@ -39,7 +39,7 @@ def sample_tokens(seqs: list[ScheduledSeq], logits: list[torch.Tensor], static=N
     not sample) and the logits row that predicted each.  static: the StaticRunner when the step ran on it (its
     fixed-shape acceptance is used if the sequences are eligible), else None.  on_launch: called with the
     fixed-shape acceptance once it is queued, before the host waits for its result (work for the device to
-    run meanwhile: a head's observe, speculate/eagle3.py observe_ahead); not called on the other paths."""
+    run meanwhile: a head's observe, speculate/head_ahead.py observe_ahead); not called on the other paths."""
     if static is not None and eligible(seqs):
         launched = static.launch_accept(seqs)
         if on_launch is not None:

@@ -17,7 +17,7 @@ Example: two sequences feeding 3 and 1 positions (q = 3, batch 2): real rows 0, 
 and outputs [4, H] are padded rows 0..3 read back.  With counts 1 and 3: row index [0, 3, 4, 5].
 
 Ids come from the host, or from the device without a host sync: a chain step's drawn drafts (one per
-sequence), or an observe launched ahead of the host's read of acceptance (speculate/eagle3.py observe_ahead),
+sequence), or an observe launched ahead of the host's read of acceptance (speculate/head_ahead.py observe_ahead),
 fed the acceptance's emitted tokens [B, q] as they lie there, row i sequence i's.
 
 Logits or not: a forward's graph computes the outputs' logits over the draft vocabulary beside them (the next
@@ -63,9 +63,10 @@ class HeadGraphs(StaticRunner):
     def run_layout(self, layout: Layout, shape: tuple[int, int, int], ids: list[int] | torch.Tensor,
                    states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The head's outputs [T, H] and their logits [T, V_draft] (views of a fresh tensor; None without
-        with_logits) for T = sum of the layout's token counts, padded to shape (layout_shape), fed ids beside states [T, H].  ids: a host list
-        [T]; or a device tensor (no host sync): [T] when every sequence feeds one token, or a grid [B_ids, q_ids]
-        whose row i holds sequence i's ids first (count_i <= q_ids; what follows in the row is never read)."""
+        with_logits) for T = sum of the layout's token counts, padded to shape (layout_shape), fed ids beside
+        states [T, H].  ids: a host list [T]; or a device tensor (no host sync): [T] when every sequence feeds
+        one token, or a grid [B_ids, q_ids] whose row i holds sequence i's ids first (count_i <= q_ids; what
+        follows in the row is never read)."""
         batch, q, context = shape
         host_ids = isinstance(ids, list)
         rows, taken, index = [], 0, []
