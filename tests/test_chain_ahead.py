@@ -203,11 +203,21 @@ def test_the_switch_off_launches_nothing_ahead(qwen3_dir, head_dir, plain):
     assert chains(llm) == (0, 0) and llm.engine.speculator.stats["head_observed_ahead"] > 0
 
 
-def test_without_device_drafts_no_chain_runs_ahead(qwen3_dir, head_dir, plain):
-    """device_drafts off: the verify step takes drafts from the host, so the next chain is drafted in propose."""
+def test_without_device_drafts_the_host_reads_the_chains_run_ahead(qwen3_dir, head_dir, plain):
+    """device_drafts off: the verify step takes drafts from the host, which reads a chain run ahead in propose
+    (no placeholders left); greedy output stays exact, and seeded replies are those of chains drafted there."""
     llm = static_eagle(qwen3_dir, head_dir, 3, device_drafts=False)
     assert tokens(llm.generate(mixed_prompts(), GREEDY)) == plain
-    assert chains(llm) == (0, 0)
+    launched, dropped = chains(llm)
+    assert launched > dropped >= 0 and launched > 0
+    assert llm.engine.speculator.device_drafts is None
+    params = [SamplingParams(max_tokens=12 + 3 * i, temperature=1.0, seed=i, ignore_eos=True) for i in range(4)]
+    replies = []
+    for ahead in (True, False):
+        llm = with_chain_ahead(static_eagle(qwen3_dir, head_dir, 3, device_drafts=False), ahead)
+        replies.append(tokens(llm.generate(mixed_prompts()[:4], params)))
+        assert (chains(llm)[0] > 0) == ahead
+    assert replies[0] == replies[1]
 
 
 def test_under_preemption_and_chunked_prefill_greedy_stays_exact(qwen3_dir, head_dir, plain):

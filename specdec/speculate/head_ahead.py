@@ -20,10 +20,10 @@ next num_tokens - 1 = start + accepted + 1, is known only on the device: the cha
 was kept, at start + 1, and shifted there by num_accepted (ChainGraphs.shift_staged: positions, context
 lengths and the real rows' slots from the block tables).  In the example: staged at 10, shifted by 2 to 12.
 k, the shape bucket and the target's blocks are those of the worst case, every draft kept.  The next `propose`
-hands the chain out (placeholders, tokens on the device) where it plans exactly the same chains, and
-otherwise drops it, giving a seeded request's head generator back its draws, so that seeded replies do not
-depend on it.  Only where the next step is sure to decode the same requests (Speculation._ahead_ks), drafts
-are fed from the device and `chain_ahead` is on.
+hands the chain out where it plans exactly the same chains (with device drafts placeholders, the tokens fed to
+the verify step from the device; without, the tokens, read by then), and otherwise drops it, giving a seeded
+request's head generator back its draws, so that seeded replies do not depend on it.  Only where the next
+step is sure to decode the same requests (Speculation._ahead_ks) and `chain_ahead` is on.
 """
 
 from __future__ import annotations
@@ -144,12 +144,12 @@ class HeadAhead:
         (every draft kept).  Each chain starts from the observe's output gathered at the sequence's last
         accepted position, and is staged as if no draft was kept, then shifted on the device by the number
         kept (ChainGraphs.shift_staged).  The next propose hands the chains out if it plans the same ones
-        (_take_ahead), else drops them (drop_ahead).  Only where this step was observed ahead, drafts are fed
-        from the device (defer_reads), chains are on (chain_ahead, tree_width 1, a chain graph) and the
-        worst case's shape fits; returns whether it launched."""
+        (_take_ahead), else drops them (drop_ahead).  Only where this step was observed ahead, chains are on
+        (chain_ahead, tree_width 1, a chain graph) and the worst case's shape fits; returns whether it
+        launched."""
         self.drop_ahead()  # (a chain launched ahead is consumed or dropped by the propose after it: a guard)
         ahead = self._ahead
-        if not (self.chain_ahead and self.defer_reads) or ahead is None or ahead.seqs is not seqs:
+        if not self.chain_ahead or ahead is None or ahead.seqs is not seqs:
             return False
         if self.tree_width != 1 or self.chain_graphs is None or self.step_by_step:
             return False
@@ -208,9 +208,9 @@ class HeadAhead:
         return plan or None
 
     def _take_ahead(self, requests: list[Request], active: list[tuple[Request, int]]) -> bool:
-        """Hand out the chains propose_ahead launched, as _chain_in_graph does with defer_reads (placeholders,
-        the tokens on the device), where they are exactly the chains planned here (active): the same requests
-        at the same depths, each drafting from the early observe the commit settled.
+        """Hand out the chains propose_ahead launched, as _chain_in_graph does (with defer_reads placeholders, the
+        tokens on the device; else the tokens, read now), where they are exactly the chains planned here
+        (active): the same requests at the same depths, each drafting from the early observe the commit settled.
 
         A request of the launched chains that finished at the commit is left out: its chain wrote the head's
         keys at positions past its end, in blocks the commit released after the chain in stream order (any
@@ -223,10 +223,15 @@ class HeadAhead:
         if {rid: k for rid, k in launched.ks.items() if rid in live} != {req.request_id: k for req, k in active}:
             return False
         self._chain_launched = None
-        self._give(active, [[[PLACEHOLDER]] * k for _, k in active],
-                   iter([launched.q[req.request_id] for req, _ in active if not req.params.greedy]))
-        self.device_drafts = launched.drafts
-        self._unread = [(launched.drafts.rows[req.request_id], req.draft_token_ids) for req, _ in active]
+        q_rows = iter([launched.q[req.request_id] for req, _ in active if not req.params.greedy])
+        rows = launched.drafts.rows  # request id -> its row of the chains' tokens
+        if self.defer_reads:  # the verify step feeds them from the device; read_drafts fills the placeholders
+            self._give(active, [[[PLACEHOLDER]] * k for _, k in active], q_rows)
+            self.device_drafts = launched.drafts
+            self._unread = [(rows[req.request_id], req.draft_token_ids) for req, _ in active]
+        else:  # read now: their copy was queued right behind the chains, which ran while the host committed
+            tokens = launched.drafts.read()  # [B, depth]
+            self._give(active, [[[t] for t in tokens[rows[req.request_id]][:k]] for req, k in active], q_rows)
         return True
 
     def drop_ahead(self) -> None:

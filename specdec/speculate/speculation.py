@@ -88,12 +88,11 @@ class Speculation:
         """Each sequence's k for the next step's drafts, where they may be launched before this step's commit,
         else None.  As overlap.schedules_alike: nobody waits for admission, every running request is in this
         step (each decoding a chain: observe_ahead checked), and the free blocks cover each one's next verify
-        even with every draft of this step kept (nobody is preempted); and the drafts are fed from the device
-        (defer_reads: the next step stages placeholders).  k: the one the controller chose for this step
+        even with every draft of this step kept (nobody is preempted).  k: the one the controller chose for this step
         (choosing again here would move its probes and estimates; the next propose chooses, and a k that differs
         drops what was launched), capped for the worst case by capped_ks."""
         reqs = [s.request for s in seqs]
-        if not self.speculator.defer_reads or scheduler.waiting or scheduler.out_of_cache:
+        if scheduler.waiting or scheduler.out_of_cache:
             return None
         if scheduler.running != reqs or len(reqs) > scheduler.max_num_batched_tokens or not self.controller.last_k:
             return None
