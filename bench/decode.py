@@ -1,6 +1,8 @@
 #!/usr/bin/env python3
 """Plain decoding at 8B scale on one GPU: step time against the memory floor, batch scaling, prefill,
-the verify-step cost model, and transformers' static-cache generate on the same weights.
+the verify-step cost model, and transformers' static-cache generate on the same weights; variants at batch 1
+and 8 (compiled graphs; overlapped steps, whose batch-1 step time, floor share and host gap are recorded as
+step_ms_bs1_overlap, floor_fraction_bs1_overlap and host_gap_ms_bs1_overlap).
 
 GPU run:      python3 bench/decode.py --out bench/results/decode-h200.json
 CPU dry run:  python3 bench/decode.py --tiny --out /tmp/decode.json
@@ -43,11 +45,11 @@ def weight_bytes(model) -> int:
 ATTENTION_BACKEND = None  # --attention-backend: every engine of the run
 
 
-def make_engine(model, batch: int, context: int, kv_tokens: int, fused: bool | None = None,
-                compile_graphs: str | None = None) -> Engine:
+def make_engine(model, batch: int, context: int, kv_tokens: int, fused: bool | None = None, **options) -> Engine:
+    """An engine for `batch` sequences of about `context` tokens; options: other EngineConfig fields (a variant's)."""
     config = EngineConfig(kv_cache_tokens=kv_tokens, max_num_seqs=max(batch, 1), max_num_batched_tokens=8192,
                           max_graph_batch=max(batch, 1), max_graph_context=context + 1024, fused_kernels=fused,
-                          compile_graphs=compile_graphs, attention_backend=ATTENTION_BACKEND)
+                          attention_backend=ATTENTION_BACKEND, **options)
     return Engine(model, config)
 
 
@@ -161,17 +163,19 @@ def kernel_profile(engine: Engine, steps: int = 5, top: int = 15) -> dict:
 
 VARIANTS = {  # name -> make_engine options (the main table runs the engine's defaults)
     "compiled-graphs": dict(compile_graphs="inductor"),
+    # overlapped steps (engine/overlap.py, issue 21): the host schedules each step while the one before it runs
+    "overlap-steps": dict(overlap_steps=True, fixed_acceptance=True, static_shapes=True),
 }
+CPU_VARIANTS = ("overlap-steps",)  # those the CPU dry run (--tiny) runs too: no compile, no CUDA needed
 
 
 def variant_rows(model, args, vocab: int, gen, device, save=lambda rows: None) -> list[dict]:
     """Batch 1 and 8 at the first context with each speed-up variant: step time, graph replay vs eager,
-    and (batch 1) a kernel profile. A failure is recorded as a finding, not a reason to lose the run."""
-    if device.type != "cuda":
-        return []
+    and (batch 1, on a GPU) a kernel profile. A failure is recorded as a finding, not a reason to lose the run.
+    On a CPU (the dry run) only CPU_VARIANTS."""
     rows = []
     context = int(args.contexts.split(",")[0])
-    names = [n for n in args.variants.split(",") if n]
+    names = [n for n in args.variants.split(",") if n and (device.type == "cuda" or n in CPU_VARIANTS)]
     for name in names:
         options = VARIANTS[name]
         for batch in (int(b) for b in args.variant_batches.split(",")):
@@ -181,17 +185,35 @@ def variant_rows(model, args, vocab: int, gen, device, save=lambda rows: None) -
                                      **options)
                 start_requests(engine, batch, context, vocab, gen)
                 ms = decode_step_ms(engine, args.steps)
+                engine.drain()  # an overlapped step left in flight is committed before the checks below
                 rows.append({"variant": name, "batch": batch, "context": context, "step_ms": ms,
-                             "tok_s": batch * 1e3 / ms, "graph_vs_eager_max_abs_diff": check_graph_replay(engine)})
-                if batch == 1:
+                             "tok_s": batch * 1e3 / ms, "overlapped_steps": engine.stats["overlapped_steps"]})
+                if engine.runner.static is not None and engine.runner.static.capture:
+                    rows[-1]["graph_vs_eager_max_abs_diff"] = check_graph_replay(engine)
+                if batch == 1 and device.type == "cuda":
                     rows[-1]["profile"] = kernel_profile(engine)
+                    engine.drain()
             except Exception as exc:
                 rows.append({"variant": name, "batch": batch, "error": f"{type(exc).__name__}: {exc}"[:500]})
             rows[-1]["setup_s"] = time.perf_counter() - t0
             print(name, {k: v for k, v in rows[-1].items() if k != "profile"}, flush=True)
             save(rows)
-            torch.cuda.empty_cache()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
     return rows
+
+
+def overlap_figures(variants: list[dict], floor_ms: float) -> dict:
+    """Issue 21's batch-1 figures with overlapped steps, from the overlap-steps variant's batch-1 row: its step
+    time, share of the memory floor and (with a kernel profile, on a GPU) the host gap left between steps."""
+    row = next((r for r in variants if r.get("variant") == "overlap-steps" and r["batch"] == 1 and "step_ms" in r),
+               None)
+    if row is None:
+        return {}
+    out = {"step_ms_bs1_overlap": row["step_ms"], "floor_fraction_bs1_overlap": floor_ms / row["step_ms"]}
+    if "profile" in row:
+        out["host_gap_ms_bs1_overlap"] = max(0.0, row["step_ms"] - row["profile"]["gpu_us_per_step"] / 1e3)
+    return out
 
 
 def table_row(model, args, batch: int, context: int, first_context: int, vocab: int, gen, device,
@@ -289,6 +311,7 @@ def main(argv=None) -> int:
         write_json(args.out, results)
 
     results["variants"] = variant_rows(model, args, config_dict["vocab_size"], gen, device, save)
+    results.update(overlap_figures(results["variants"], results["floor_ms_bs1"]))
     results["wall_s"] = time.perf_counter() - t_start
     write_json(args.out, results)
     for row in results["variants"]:
