@@ -94,9 +94,11 @@ class Speculation:
         reqs = [s.request for s in seqs]
         if scheduler.waiting or scheduler.out_of_cache:
             return None
-        if scheduler.running != reqs or len(reqs) > scheduler.max_num_batched_tokens or not self.controller.last_k:
+        if scheduler.running != reqs or not self.controller.last_k:
             return None
         ks = self.capped_ks(reqs, self.controller.last_k, [1 + s.num_drafts for s in seqs])
+        if sum(1 + k for k in ks) > scheduler.max_num_batched_tokens:  # the scheduler would cut drafts
+            return None
         # with all d drafts kept num_tokens is start + d + 2, and the next verify feeds up to position
         # start + d + 1 + k.  Example: start 9, d 3, k 4: at worst num_tokens 14 after the commit, the next
         # verify feeds positions 13..17, which need the blocks of 18 tokens.
