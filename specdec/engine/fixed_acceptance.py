@@ -45,6 +45,7 @@ import numpy as np
 import torch
 
 from specdec import fixed_accept
+from specdec.engine.graph_warm_up import warm_up
 from specdec.engine.scheduler import ScheduledSeq
 from specdec.verify import _draw_uniforms
 
@@ -267,8 +268,6 @@ class FixedAcceptance:
             self._body(shape, key)
             return
         if shape.graph is None:
-            from specdec.engine.static_runner import warm_up
-
             warm_up(self.device, lambda: self._body(shape, key))
             shape.graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(shape.graph, pool=self.pool):

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from specdec.engine.static_runner import warm_up
+from specdec.engine.graph_warm_up import warm_up
 from specdec.models.attention import AttentionBatch
 from specdec.models.transformer import CausalLM, KVCaches
 

@@ -23,7 +23,8 @@ import torch
 from specdec.engine.kv_cache import KVCache
 from specdec.engine.scheduler import ScheduledSeq
 from specdec.engine.state_slots import StateSlots
-from specdec.engine.static_runner import StaticRunner, _input_size, warm_up
+from specdec.engine.graph_warm_up import warm_up
+from specdec.engine.static_runner import StaticRunner, _input_size
 from specdec.models.attention import AttentionBatch
 from specdec.models.recurrent_state import RecordArena, StateBatch, commit_on_device
 from specdec.transfer import upload

@@ -32,6 +32,7 @@ import torch
 
 from specdec.engine.device_drafts import DeviceDrafts, draft_positions
 from specdec.engine.fixed_acceptance import FixedAcceptance
+from specdec.engine.graph_warm_up import warm_up
 from specdec.engine.kv_cache import KVCache
 from specdec.engine.runner import fed_offsets, tree_mask_rows
 from specdec.engine.scheduler import ScheduledSeq
@@ -45,18 +46,6 @@ STAGING_RING = 8  # host staging buffers a runner's consecutive steps take in tu
 
 def _next_power_of_two(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
-
-
-def warm_up(device: torch.device, fn, times: int = 2):
-    """Run fn() `times` times on a side stream before a CUDA-graph capture, so that the allocator's and the
-    kernels' lazy set-up stay out of the graph; the current stream then waits for it.  Returns fn's last result."""
-    stream = torch.cuda.Stream(device)
-    stream.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(stream):
-        for _ in range(times):
-            result = fn()
-    torch.cuda.current_stream(device).wait_stream(stream)
-    return result
 
 
 def _input_size(batch: int, q: int, cols: int) -> int:
