@@ -157,7 +157,8 @@ def test_fixed_shape_short_prefills_keep_outputs(qwen3_dir):
 
 
 def test_memory_budget_leaves_room_for_the_largest_step(qwen3_dir):
-    from specdec.engine.memory import GRAPH_RESERVE_BYTES, kv_budget_bytes, profile_step_bytes
+    from specdec.engine.kv_cache import GRAPH_RESERVE_BYTES, kv_budget_bytes
+    from specdec.engine.memory import profile_step_bytes
 
     llm = LLM(qwen3_dir, device="cpu", kv_cache_tokens=256)
     step = profile_step_bytes(llm.model, 64, 4, 16, llm.device)  # runs the step; a CPU measures only logits

@@ -15,7 +15,7 @@ buffer itself.
 
 Memory: the graphs' temporaries live in the static runner's graph pool, held for good: processing every row of
 the widest sampled shape, e.g. B q = 576 rows of V = 151,936 (350 MB a float32 copy), with the top-k / top-p sort
-(an int64 order beside it) takes a few GB there at its peak; memory.py's graph reserve (512 MB) does not count it.
+(an int64 order beside it) takes a few GB there at its peak; kv_cache.py's graph reserve (512 MB) does not count it.
 
 Precapture (`precapture`, from Engine.precapture_graphs with fixed acceptance on): a graph captured at a step's
 first use stalls that step (docs/BENCHMARKS.md), so for every (B, q) the static runner precaptured, two keys

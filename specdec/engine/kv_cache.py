@@ -208,16 +208,23 @@ class KVCache:
         return 2 * config.num_attention_layers * config.num_key_value_heads * config.head_dim * itemsize
 
 
+GRAPH_RESERVE_BYTES = 512 << 20  # CUDA graph memory pool and allocator slack
+
+
+def kv_budget_bytes(free_bytes: int, utilization: float, step_bytes: int) -> int:
+    """The KV cache's share: `utilization` of the free memory, less the largest step (engine/memory.py measures
+    it) and the graph reserve."""
+    return max(0, int(free_bytes * utilization) - step_bytes - GRAPH_RESERVE_BYTES)
+
+
 def num_blocks_for(config: ModelConfig, block_size: int, dtype: torch.dtype, device: torch.device,
                    kv_cache_tokens: int | None, memory_fraction: float, step_bytes: int = 0,
                    shared_bytes_per_token: int = 0) -> int:
-    """Blocks from a token budget, or from the device's free memory (see engine/memory.py), where each token
+    """Blocks from a token budget, or from the device's free memory (kv_budget_bytes), where each token
     also pays `shared_bytes_per_token` for the caches that share the block tables."""
     if kv_cache_tokens is not None:
         return max(1, math.ceil(kv_cache_tokens / block_size))
     if device.type == "cuda":
-        from specdec.engine.memory import kv_budget_bytes
-
         free, _ = torch.cuda.mem_get_info(device)
         budget = kv_budget_bytes(free, memory_fraction, step_bytes)
     else:  # CPU: 32k tokens, at most 1 GiB

@@ -1,5 +1,5 @@
-"""How much device memory the KV cache may take: free memory after the weights, less what the largest
-step needs for its activations (measured by running it once) and a reserve for CUDA graphs."""
+"""What the largest step needs for its activations, measured by running it once: the KV cache's budget
+(kv_cache.kv_budget_bytes) is the free memory after the weights less this and a reserve for CUDA graphs."""
 
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ from specdec.engine.scheduler import ScheduledSeq
 from specdec.models.transformer import CausalLM
 from specdec.sampling import SamplingParams
 
-GRAPH_RESERVE_BYTES = 512 << 20  # CUDA graph memory pool and allocator slack
 MAX_LOGITS_ROWS_PER_SEQ = 33  # a verify step of 32 drafts
 
 
@@ -48,8 +47,3 @@ def profile_step_bytes(model: CausalLM, max_tokens: int, max_seqs: int, block_si
         torch.cuda.empty_cache()
     rows = min(max_seqs * MAX_LOGITS_ROWS_PER_SEQ, max_tokens)
     return measured + 3 * rows * model.config.vocab_size * 4  # logits, probabilities, sampling scratch
-
-
-def kv_budget_bytes(free_bytes: int, utilization: float, step_bytes: int) -> int:
-    """The KV cache's share: `utilization` of the free memory, less the largest step and the graph reserve."""
-    return max(0, int(free_bytes * utilization) - step_bytes - GRAPH_RESERVE_BYTES)
