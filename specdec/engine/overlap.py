@@ -72,17 +72,21 @@ def plain_decode(seqs: list[ScheduledSeq]) -> bool:
                               for s in seqs)
 
 
-def schedules_alike(scheduler: Scheduler, reqs: list[Request]) -> bool:
-    """Whether the next schedule, with each of reqs one token ahead, is sure to be a plain decode of exactly
-    reqs in their order: nobody waits, reqs are all that run, the budget takes them and the free blocks
-    cover each one's next fed token (so nobody is preempted).  reqs: the step in flight's live requests."""
-    if scheduler.waiting or scheduler.out_of_cache or scheduler.running != reqs:
+def schedules_alike(scheduler: Scheduler, reqs: list[Request], fed: list[int] | None = None,
+                    held: list[int] | None = None) -> bool:
+    """Whether the next schedule is sure to run exactly reqs in their order, each feeding fed[i] tokens: nobody
+    waits, reqs are all that run, the budget takes their tokens and the free blocks cover the held[i] tokens each
+    needs blocks for (so nobody is preempted).  Defaults, for the step behind a plain decode step in flight (reqs:
+    its live requests, each one token ahead): fed 1, held num_computed + 2 (a request fed its newest token at
+    position num_computed in flight feeds position num_computed + 1 behind it).  A chain launched ahead of a
+    speculative step's commit (Speculation._ahead_ks) passes its own worst case."""
+    if scheduler.waiting or scheduler.out_of_cache or scheduler.running != reqs or not reqs:
         return False
-    if not reqs or len(reqs) > scheduler.max_num_batched_tokens:
+    if sum(fed or [1] * len(reqs)) > scheduler.max_num_batched_tokens:
         return False
     blocks = scheduler.blocks
-    # a request fed its newest token at position num_computed in flight; behind it, position num_computed + 1
-    need = sum(max(0, blocks.blocks_for(r.num_computed + 2) - len(r.block_ids)) for r in reqs)
+    held = held or [r.num_computed + 2 for r in reqs]
+    need = sum(max(0, blocks.blocks_for(n) - len(r.block_ids)) for r, n in zip(reqs, held))
     return need <= blocks.num_free
 
 

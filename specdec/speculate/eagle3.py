@@ -244,13 +244,21 @@ class Eagle3Speculator(HeadAhead, Speculator):
                                                 None if uniforms is None else uniforms[:, :, 0])
         self.stats["draft_forwards"] += active[0][1] - 1
         q_rows = self._q_rows(active, lambda row, k: [q[row, :k]])
-        if self.defer_reads:  # placeholders now: the runner feeds the tokens from the device, read_drafts fills them
+        drafts = DeviceDrafts.queued(tokens, {req.request_id: row for row, (req, _) in enumerate(active)})
+        self._give_chains(active, drafts, q_rows)
+
+    def _give_chains(self, active, drafts: DeviceDrafts, q_rows) -> None:
+        """Give each request its chain of a chain graph's drafts (drafts.rows: request id -> its row): with
+        defer_reads placeholders, the runner feeding the tokens from the device and read_drafts filling them;
+        else the tokens, read now (the one host sync, on the copy queued behind the chains)."""
+        rows = drafts.rows
+        if self.defer_reads:
             self._give(active, [[[PLACEHOLDER]] * k for _, k in active], q_rows)
-            self.device_drafts = DeviceDrafts.queued(tokens, {req.request_id: row for row, (req, _) in enumerate(active)})
-            self._unread = [(row, req.draft_token_ids) for row, (req, _) in enumerate(active)]
+            self.device_drafts = drafts
+            self._unread = [(rows[req.request_id], req.draft_token_ids) for req, _ in active]
             return
-        rows = tokens.tolist()  # [B, depth]: the one host sync
-        self._give(active, [[[t] for t in rows[row][:k]] for row, (_, k) in enumerate(active)], q_rows)
+        tokens = drafts.read()  # [B, depth]
+        self._give(active, [[[t] for t in tokens[rows[req.request_id]][:k]] for req, k in active], q_rows)
 
     def read_drafts(self) -> None:
         """The chain's tokens into the placeholder lists it handed out (the one host sync).  A request whose

@@ -32,7 +32,7 @@ from typing import NamedTuple
 
 import torch
 
-from specdec.engine.device_drafts import PLACEHOLDER, DeviceDrafts
+from specdec.engine.device_drafts import DeviceDrafts
 from specdec.engine.fixed_acceptance import Launched
 from specdec.engine.request import Request
 from specdec.engine.scheduler import ScheduledSeq
@@ -208,8 +208,7 @@ class HeadAhead:
         return plan or None
 
     def _take_ahead(self, requests: list[Request], active: list[tuple[Request, int]]) -> bool:
-        """Hand out the chains propose_ahead launched, as _chain_in_graph does (with defer_reads placeholders, the
-        tokens on the device; else the tokens, read now), where they are exactly the chains planned here
+        """Hand out the chains propose_ahead launched, as _chain_in_graph does (_give_chains), where they are exactly the chains planned here
         (active): the same requests at the same depths, each drafting from the early observe the commit settled.
 
         A request of the launched chains that finished at the commit is left out: its chain wrote the head's
@@ -223,15 +222,9 @@ class HeadAhead:
         if {rid: k for rid, k in launched.ks.items() if rid in live} != {req.request_id: k for req, k in active}:
             return False
         self._chain_launched = None
-        q_rows = iter([launched.q[req.request_id] for req, _ in active if not req.params.greedy])
-        rows = launched.drafts.rows  # request id -> its row of the chains' tokens
-        if self.defer_reads:  # the verify step feeds them from the device; read_drafts fills the placeholders
-            self._give(active, [[[PLACEHOLDER]] * k for _, k in active], q_rows)
-            self.device_drafts = launched.drafts
-            self._unread = [(rows[req.request_id], req.draft_token_ids) for req, _ in active]
-        else:  # read now: their copy was queued right behind the chains, which ran while the host committed
-            tokens = launched.drafts.read()  # [B, depth]
-            self._give(active, [[[t] for t in tokens[rows[req.request_id]][:k]] for req, k in active], q_rows)
+        # without defer_reads the tokens are read now: their copy, queued behind the chains, ran during the commit
+        self._give_chains(active, launched.drafts,
+                          iter([launched.q[req.request_id] for req, _ in active if not req.params.greedy]))
         return True
 
     def drop_ahead(self) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import time
 
+from specdec.engine.overlap import schedules_alike
 from specdec.engine.request import Request
 from specdec.engine.scheduler import ScheduledSeq, Scheduler
 from specdec.speculate.base import Speculator
@@ -86,26 +87,20 @@ class Speculation:
 
     def _ahead_ks(self, scheduler: Scheduler, seqs: list[ScheduledSeq], starts: list[int]) -> list[int] | None:
         """Each sequence's k for the next step's drafts, where they may be launched before this step's commit,
-        else None.  As overlap.schedules_alike: nobody waits for admission, every running request is in this
-        step (each decoding a chain: observe_ahead checked), and the free blocks cover each one's next verify
-        even with every draft of this step kept (nobody is preempted).  k: the one the controller chose for this step
-        (choosing again here would move its probes and estimates; the next propose chooses, and a k that differs
-        drops what was launched), capped for the worst case by capped_ks."""
+        else None: where the next schedule is sure to verify exactly these requests (overlap.schedules_alike)
+        even with every draft of this step kept.  k: the one the controller chose for this step (choosing again
+        here would move its probes and estimates; the next propose chooses, and a k that differs drops what was
+        launched), capped for the worst case by capped_ks."""
+        if not self.controller.last_k:
+            return None
         reqs = [s.request for s in seqs]
-        if scheduler.waiting or scheduler.out_of_cache:
-            return None
-        if scheduler.running != reqs or not self.controller.last_k:
-            return None
         ks = self.capped_ks(reqs, self.controller.last_k, [1 + s.num_drafts for s in seqs])
-        if sum(1 + k for k in ks) > scheduler.max_num_batched_tokens:  # the scheduler would cut drafts
-            return None
         # with all d drafts kept num_tokens is start + d + 2, and the next verify feeds up to position
         # start + d + 1 + k.  Example: start 9, d 3, k 4: at worst num_tokens 14 after the commit, the next
         # verify feeds positions 13..17, which need the blocks of 18 tokens.
-        blocks = scheduler.blocks
-        need = sum(max(0, blocks.blocks_for(start + s.num_drafts + 2 + k) - len(s.request.block_ids))
-                   for s, start, k in zip(seqs, starts, ks))
-        return ks if any(ks) and need <= blocks.num_free else None
+        held = [start + s.num_drafts + 2 + k for s, start, k in zip(seqs, starts, ks)]
+        alike = schedules_alike(scheduler, reqs, [1 + k for k in ks], held)
+        return ks if any(ks) and alike else None
 
     def scheduled(self, seqs: list[ScheduledSeq]) -> None:
         """The step's plan is made: tell the controller the drafts each drafted request really verifies (its
