@@ -138,15 +138,6 @@ def test_steps_with_a_prefill_joining_or_a_request_near_max_tokens_fall_back_and
     assert 0 < observed_ahead(llm) < verify_steps
 
 
-def test_the_mtp_head_falls_back_the_same_way(target):
-    path, expected = target
-    llm = mtp_llm(path, 2, static_shapes=True)
-    lengths = [5, 24, 2, 17]
-    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in lengths]
-    outputs = run_staggered(llm.engine, PROMPTS, params, joining_at=2)
-    assert outputs == [e[:n] for e, n in zip(expected, lengths)]
-    assert 0 < observed_ahead(llm) < llm.engine.stats["steps"]
-
 
 def test_under_preemption_and_chunked_prefill_greedy_stays_exact(qwen3_dir, head_dir, plain):
     tight = static_eagle(qwen3_dir, head_dir, 4, kv_cache_tokens=160, max_num_batched_tokens=24)
