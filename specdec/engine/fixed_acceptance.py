@@ -119,12 +119,13 @@ class Launched(NamedTuple):
     @property
     def num_accepted(self) -> torch.Tensor:
         """[num_seqs] each sequence's accepted drafts on the device (out[:, 0]; valid as long as tokens is): what a
-        head observing the step before the host reads it gathers its last rows by (speculate/eagle3.py)."""
+        head observing the step before the host reads it gathers its last rows by (speculate/head_ahead.py)."""
         return self.shape.out[:self.num_seqs, 0]
 
 
 class FixedAcceptance:
-    """Acceptance of a static runner's steps on their fixed shapes (the module's note); `accept` per step."""
+    """Acceptance of a static runner's steps on their fixed shapes (the module's note): `launch` per step, then `read`
+    (`accept` does both)."""
 
     def __init__(self, device: torch.device, capture: bool, pool=None):
         self.device = device
