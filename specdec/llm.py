@@ -123,8 +123,9 @@ class LLM:
 
                 controller = RankZeroController(controller)
             self.engine.set_speculator(spec, controller)
-        if self.engine.config.precapture:
+        if self.engine.config.precapture:  # what a served step would otherwise build on first use
             self.engine.precapture_graphs()
+            self.engine.warm_up_eager()
         if speculator is not None and speculator.adaptive:  # costs of the steps as served: after the capture
             from specdec.speculate.build import calibrate
 

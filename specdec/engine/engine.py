@@ -10,6 +10,7 @@ import time
 import torch
 
 from specdec.engine.admission import AdmissionBatcher
+from specdec.engine.eager_warm_up import warm_up_eager
 from specdec.engine.kv_cache import BlockManager, KVCache, num_blocks_for
 from specdec.engine.limits import RequestLimits
 from specdec.engine.overlap import InFlight, hold_pending, plain_decode, release_pending, schedules_alike
@@ -53,7 +54,7 @@ class EngineConfig:
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     static_shapes: bool | None = None  # pad decode/verify steps to fixed shapes (default: on GPU only)
     cuda_graphs: bool = True  # capture fixed-shape steps as CUDA graphs (GPU only)
-    precapture: bool = True  # capture every shape at start-up rather than at first use
+    precapture: bool = True  # capture every shape, and run the eager steps once, at start-up: not at first use
     max_graph_batch: int = 256
     max_graph_context: int = 8192
     fused_kernels: bool | None = None  # compiled elementwise kernels (specdec.models.fused); None: on a GPU.
@@ -491,6 +492,12 @@ class Engine:
         if speculator_graphs is not None:  # a drafter's or a head's own fixed-shape forwards
             count += speculator_graphs(ks)
         return count
+
+    def warm_up_eager(self, force: bool = False) -> int:
+        """Run the steps that stay eager (prefills, mixed steps) once at start-up, on a GPU, so that the compiled
+        pieces and Triton kernels they use are built before the first request (engine/eager_warm_up.py); on a
+        CPU nothing is compiled on first use, so only when forced (the tests).  Returns the steps run."""
+        return warm_up_eager(self) if force or self.device.type == "cuda" else 0
 
     def _precapture_acceptance(self) -> int:
         """The fixed-shape acceptance's graphs for every (batch, q) the static runner precaptured: greedy, and sampled

@@ -193,7 +193,7 @@ class GatedDeltaNet(nn.Module):
             out, final = chunked(q.repeat_interleave(repeat, dim=2), k.repeat_interleave(repeat, dim=2), v.float(),
                                  g, beta, ssm_pool[group.slots])
         self._store(group, states, window, final, (k, v, g, beta))
-        return out.to(mixed.dtype)
+        return out.to(mixed.dtype, memory_format=torch.contiguous_format)  # one layout whatever the form
 
     def _store(self, group: SequenceGroup, states: StateBatch, window: torch.Tensor, final: torch.Tensor | None,
                kvgb: tuple[torch.Tensor, ...]) -> None:
