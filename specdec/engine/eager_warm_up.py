@@ -12,7 +12,8 @@ The scenario: runs of dummy requests, each run to its end before the next, greed
 the speculator drafting as it would.  In a run the requests arrive in waves, one wave per step, each wave a
 list of prompt lengths.  Lengths both sides of a hybrid model's token-by-token limit (17) and of its chunk
 (64): a long and a short prompt alone; then arrivals beside decoding requests: two of one length together
-(one sequence group of two), several lengths in one step (several groups).  The engine's counters and its
+(one sequence group of two), several lengths in one step (several groups); last, one prompt of each length
+up to 17, for which the delta-rule kernel compiles apart (its token count is a compile-time constant).  The engine's counters and its
 admission batcher's timings are left as they were before; the controller's learned state starts over at
 calibration, which follows (LLM.__init__).
 """
@@ -24,7 +25,8 @@ import copy
 from specdec.engine.admission import AdmissionBatcher
 from specdec.sampling import SamplingParams
 
-RUNS = (([90],), ([5],), ([90], [40, 40], [5, 6, 6, 30]))  # per run, the prompt lengths added at its steps 0, 1, ..
+SHORT = list(range(1, 18))  # one prompt of each length a hybrid's token-by-token kernel compiles for (T <= 17)
+RUNS = (([90],), ([5],), ([90], [40, 40], [5, 6, 6, 30]), (SHORT,))  # per run, the lengths added at its steps 0, 1, ..
 NEW_TOKENS = 4  # each reply's length: a few decode (or verify) steps after the last wave
 
 
