@@ -54,7 +54,8 @@ class EngineConfig:
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     static_shapes: bool | None = None  # pad decode/verify steps to fixed shapes (default: on GPU only)
     cuda_graphs: bool = True  # capture fixed-shape steps as CUDA graphs (GPU only)
-    precapture: bool = True  # capture every shape, and run the eager steps once, at start-up: not at first use
+    precapture: bool = True  # capture every shape at start-up rather than at first use
+    warm_up: bool = True  # with precapture on a GPU, run the eager steps once at start-up (engine/eager_warm_up.py)
     max_graph_batch: int = 256
     max_graph_context: int = 8192
     fused_kernels: bool | None = None  # compiled elementwise kernels (specdec.models.fused); None: on a GPU.
@@ -497,7 +498,7 @@ class Engine:
         """Run the steps that stay eager (prefills, mixed steps) once at start-up, on a GPU, so that the compiled
         pieces and Triton kernels they use are built before the first request (engine/eager_warm_up.py); on a
         CPU nothing is compiled on first use, so only when forced (the tests).  Returns the steps run."""
-        return warm_up_eager(self) if force or self.device.type == "cuda" else 0
+        return warm_up_eager(self) if force or (self.config.warm_up and self.device.type == "cuda") else 0
 
     def _precapture_acceptance(self) -> int:
         """The fixed-shape acceptance's graphs for every (batch, q) the static runner precaptured: greedy, and sampled
