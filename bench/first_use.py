@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """What an engine builds on first use after its start-up, under loads shaped as the judge's: torch.compile
-variants of the elementwise pieces, Triton binaries of specdec.kernels and CUDA graphs, counted per phase
+variants of the elementwise pieces, Triton binaries of specdec.kernels, CUDA graphs of the target's steps and
+of their fixed-shape acceptance (its keys: counted on a CPU too, where nothing is captured), per phase
 (a warm-up batch, then solo, team and busy passes).  Each one built inside a served request stalls it
 (0.2-1 s for a compile on a GPU); after a complete start-up every count past `start-up` is 0.
 
@@ -52,8 +53,15 @@ def graphs_captured(llm: LLM) -> int:
     return len(static.graphs) if static is not None else 0
 
 
+def acceptance_keys(llm: LLM) -> int:
+    """Fixed-shape acceptance keys made so far: on a GPU each is a CUDA graph, captured when first met."""
+    static = llm.engine.runner.static
+    return len(static.acceptance.shapes) if static is not None and static.acceptance is not None else 0
+
+
 def counts(llm: LLM) -> dict:
-    return {"compiled": compiles(), "triton": triton_compiles(), "cuda_graphs": graphs_captured(llm)}
+    return {"compiled": compiles(), "triton": triton_compiles(), "cuda_graphs": graphs_captured(llm),
+            "acceptance_keys": acceptance_keys(llm)}
 
 
 def start(args, device: torch.device) -> LLM:
@@ -101,10 +109,11 @@ def main(argv=None) -> int:
         after = counts(llm)
         rows.append({"phase": phase, "seconds": time.perf_counter() - t0,
                      **{key: after[key] - before[key] for key in after}})
-    print(f"{'phase':<10} {'seconds':>8} {'compiled':>8} {'triton':>6} {'graphs':>6}")
+    print(f"{'phase':<10} {'seconds':>8} {'compiled':>8} {'triton':>6} {'graphs':>6} {'acceptance':>10}")
     for row in rows:
-        print(f"{row['phase']:<10} {row['seconds']:8.2f} {row['compiled']:8d} {row['triton']:6d} {row['cuda_graphs']:6d}")
-    built = sum(row["compiled"] + row["triton"] + row["cuda_graphs"] for row in rows[1:])
+        print(f"{row['phase']:<10} {row['seconds']:8.2f} {row['compiled']:8d} {row['triton']:6d} {row['cuda_graphs']:6d} "
+              f"{row['acceptance_keys']:10d}")
+    built = sum(row["compiled"] + row["triton"] + row["cuda_graphs"] + row["acceptance_keys"] for row in rows[1:])
     write_json(args.out, {"env": environment(device), "args": vars(args), "rows": rows, "built_after_start_up": built})
     return 0
 
