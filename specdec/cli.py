@@ -36,16 +36,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="on a GPU, replay all but attention of eager (prefill / mixed) steps as CUDA graphs "
                              "(default: on with CUDA graphs, off with tensor parallelism)")
     parser.add_argument("--fixed-acceptance", action=argparse.BooleanOptionalAction, default=None,
-                        help="on a GPU, accept decode / verify steps on their fixed shape as CUDA graphs (default: "
-                             "off with CUDA graphs until measured, on without them)")
+                        help="accept decode / verify steps on their fixed shape, as CUDA graphs on a GPU (default: on)")
     parser.add_argument("--device-drafts", action=argparse.BooleanOptionalAction, default=None,
                         help="feed an EAGLE-3 or MTP chain's drafts to the verify step from the device, read by the "
-                             "host once that step is queued (default: off with CUDA graphs until measured, on "
-                             "without them)")
+                             "host once that step is queued (default: off with CUDA graphs, where it saves nothing, "
+                             "on without them)")
     parser.add_argument("--overlap-steps", action=argparse.BooleanOptionalAction, default=None,
                         help="schedule and launch each plain decode step while the one before it still runs on the "
-                             "device, fed its tokens from there (needs static shapes and fixed acceptance; default: "
-                             "off with CUDA graphs until measured, on without them)")
+                             "device, fed its tokens from there (needs static shapes and fixed acceptance, and a "
+                             "model that is not hybrid; default: on where those hold)")
     parser.add_argument("--no-fused-kernels", action="store_true",
                         help="on a GPU, run the plain PyTorch elementwise kernels instead of compiled fused ones")
     parser.add_argument("--attention-backend", choices=("sdpa", "triton"), default=None,

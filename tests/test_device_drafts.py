@@ -101,7 +101,7 @@ def test_greedy_equals_plain_with_drafts_fed_from_the_device(qwen3_dir, head_dir
 
 
 def test_device_drafts_off_reads_every_chain_before_its_step(qwen3_dir, head_dir, plain, monkeypatch):
-    """device_drafts=False (--no-device-drafts; the default with CUDA graphs until measured): the host holds
+    """device_drafts=False (--no-device-drafts; the default with CUDA graphs): the host holds
     real drafts when each step is staged, and output still equals plain decoding."""
     seen = count_device_draft_steps(monkeypatch)
     llm = eagle_llm(qwen3_dir, head_dir, 3, static_shapes=True, max_graph_batch=8, device_drafts=False)

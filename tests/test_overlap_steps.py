@@ -5,10 +5,13 @@ seeded sampling, stops of every kind, requests arriving, aborts, preemption), re
 
 from __future__ import annotations
 
+import types
+
 import pytest
 
 from specdec import LLM, ConfigError, SamplingParams
 from specdec.engine.device_drafts import PLACEHOLDER
+from specdec.engine.engine import Engine
 from specdec.engine.overlap import InFlight
 from specdec.engine.static_runner import StaticRunner
 from specdec.speculate import SpecConfig
@@ -104,6 +107,17 @@ def test_overlap_is_on_by_default_without_cuda_graphs(qwen3_dir):
         LLM(qwen3_dir, device="cpu", kv_cache_tokens=256, overlap_steps=True)
     with pytest.raises(ConfigError, match="overlap_steps needs"):
         make_llm(qwen3_dir, overlap=True, fixed_acceptance=False)
+
+
+def test_with_cuda_graphs_fixed_acceptance_and_overlap_are_on_by_default_device_drafts_off():
+    """The defaults where the fixed-shape runner captures CUDA graphs (a GPU), as measured there: fixed acceptance
+    and overlapped steps on unless set off; device drafts off unless set on; none without the runner."""
+    with_graphs = types.SimpleNamespace(runner=types.SimpleNamespace(static=types.SimpleNamespace(capture=True)))
+    assert Engine._on_unless_set_off(with_graphs, None) and not Engine._on_unless_set_off(with_graphs, False)
+    assert not Engine._off_with_graphs_unless_set(with_graphs, None)
+    assert Engine._off_with_graphs_unless_set(with_graphs, True)
+    no_runner = types.SimpleNamespace(runner=types.SimpleNamespace(static=None))
+    assert not Engine._on_unless_set_off(no_runner, None) and not Engine._off_with_graphs_unless_set(no_runner, True)
 
 
 def test_the_step_behind_is_fed_from_the_device(qwen3_dir, monkeypatch):

@@ -284,8 +284,8 @@ def test_seeded_sampled_replies_are_the_same_on_either_acceptance_path(qwen3_dir
 
 
 def test_fixed_acceptance_is_on_without_graphs_and_switched_by_the_config(qwen3_dir, drafter_dir):
-    """The default: acceptance on the fixed shapes where steps run without CUDA graphs (a CPU), opt-in where they
-    capture (EngineConfig.fixed_acceptance, until measured on a GPU); False keeps the sampler's ragged path."""
+    """The default: acceptance on the fixed shapes wherever the fixed-shape runner runs (with CUDA graphs too:
+    test_overlap_steps checks the defaults there); False keeps the sampler's ragged path."""
     spec = SpecConfig("draft", model=str(drafter_dir), num_draft_tokens=3, adaptive=False)
     params = SamplingParams(max_tokens=12, temperature=1.0, seed=3, ignore_eos=True)
     for setting, used in ((None, True), (False, False), (True, True)):

@@ -72,20 +72,20 @@ class EngineConfig:
     # steps.
     attention_backend: str | None = None
     # Acceptance of decode / verify steps on their fixed shape (engine/fixed_acceptance.py: one graph replay and
-    # one copy back where the sampler's path launches ~20-30 kernels).  None: on where the steps run without
-    # CUDA graphs (the same function, eagerly: how the tests check it), and with graphs only when True, until
-    # the capture is measured on a GPU.
+    # one copy back where the sampler's path launches ~20-30 kernels).  None: on wherever the fixed-shape runner
+    # runs (docs/BENCHMARKS.md: 0.6 ms of an 8B-twin EAGLE-3 step, ~0.2 GB of graph pool on the 27B twin); on a
+    # CPU the same function runs eagerly.
     fixed_acceptance: bool | None = None
     # Overlapped steps (engine/overlap.py, issue 21): the host schedules and launches a plain decode step while the
     # one before it still runs on the device, feeding it that step's tokens from the device, and reads and commits
     # that step only then.  Needs the fixed-shape runner, fixed acceptance and a model that is not hybrid.  None:
-    # on where the steps run without CUDA graphs (the same path, synchronous on a CPU: how the tests check it),
-    # off with graphs until measured on a GPU (as fixed_acceptance, which it needs, is).
+    # on wherever those hold (docs/BENCHMARKS.md: the same tokens as without on a GPU, 2-5 % of an 8B-twin step
+    # at batch 1-8); on a CPU the same path runs synchronously.
     overlap_steps: bool | None = None
     # Drafts of a chain graph (EAGLE-3, MTP) fed to the verify step from the device (engine/device_drafts.py),
     # read by the host once the verify forward is queued.  None: on where the steps run without CUDA graphs (how
-    # the tests check it), off with graphs until measured on a GPU (docs/BENCHMARKS.md: the first version's read
-    # waited for the verify forward and was slower than reading first).
+    # the tests check it), off with graphs (docs/BENCHMARKS.md: measured on a GPU, it saves nothing once the
+    # head's next chain runs ahead of the host's read).
     device_drafts: bool | None = None
 
     def validate(self) -> None:
@@ -155,8 +155,8 @@ class Engine:
         set_attention_backend(self.attention_backend)  # before any graph is captured: graphs keep their choice
         self.runner = ModelRunner(model, self.kv_cache, self.device, self._static_runner(), self._piecewise_runner(),
                                   self.states)
-        self.fixed_acceptance = self._until_measured(config.fixed_acceptance)
-        self.device_drafts = self._until_measured(config.device_drafts)
+        self.fixed_acceptance = self._on_unless_set_off(config.fixed_acceptance)
+        self.device_drafts = self._off_with_graphs_unless_set(config.device_drafts)
         self.overlap_steps = self._use_overlap()
         self.in_flight: InFlight | None = None  # the step left in flight (engine/overlap.py), or None
         self.finished_early: list[Request] = []  # finished at a commit outside step(), for the next step() to return
@@ -186,9 +186,13 @@ class Engine:
                                   "CUDA builds of torch) or choose 'sdpa'")
         return self.config.attention_backend or default_attention_backend(self.device)
 
-    def _until_measured(self, setting: bool | None) -> bool:
-        """A fixed-shape runner's option not yet measured on a GPU: as set, else (None) on where its steps run
-        without CUDA graphs (how the tests check it) and off with graphs; off without the fixed-shape runner."""
+    def _on_unless_set_off(self, setting: bool | None) -> bool:
+        """A fixed-shape runner's option measured to pay on a GPU: as set, else (None) on; off without the runner."""
+        return self.runner.static is not None and setting is not False
+
+    def _off_with_graphs_unless_set(self, setting: bool | None) -> bool:
+        """A fixed-shape runner's option that does not pay with CUDA graphs: as set, else (None) on where its steps
+        run without graphs (how the tests check it) and off with graphs; off without the fixed-shape runner."""
         static = self.runner.static
         return static is not None and (setting if setting is not None else not static.capture)
 
@@ -198,7 +202,7 @@ class Engine:
         if setting and not possible:
             raise ConfigError("overlap_steps needs static_shapes and fixed_acceptance on (with CUDA graphs, "
                               "fixed_acceptance=True) and a model that is not hybrid (Qwen3.5): leave it unset")
-        return possible and self._until_measured(setting)
+        return possible and self._on_unless_set_off(setting)
 
     def _static_runner(self):
         from specdec.engine.static_runner import StaticRunner
