@@ -101,3 +101,11 @@ def test_the_warm_up_leaves_the_engine_and_its_replies_as_they_were(target):
 def test_a_cpu_engine_runs_no_warm_up_unless_forced(target):
     llm = mtp_llm(target[0], 1)
     assert llm.engine.warm_up_eager() == 0 and llm.engine.stats["steps"] == 0
+
+
+def test_the_warm_up_fits_a_small_engine(target):
+    """Prompts longer than the engine takes are cut to what it takes; the seventeen short prompts queue for
+    four slots; the warm-up ends idle."""
+    llm = mtp_llm(target[0], 2, kv_cache_tokens=64, max_model_len=40, max_num_seqs=4)
+    assert llm.engine.warm_up_eager(force=True) > 0
+    assert not llm.engine.has_work() and llm.engine.stats["steps"] == 0

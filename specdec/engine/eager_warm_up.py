@@ -13,9 +13,10 @@ the speculator drafting as it would.  In a run the requests arrive in waves, one
 list of prompt lengths.  Lengths both sides of a hybrid model's token-by-token limit (17) and of its chunk
 (64): a long and a short prompt alone; then arrivals beside decoding requests: two of one length together
 (one sequence group of two), several lengths in one step (several groups); last, one prompt of each length
-up to 17, for which the delta-rule kernel compiles apart (its token count is a compile-time constant).  The engine's counters and its
-admission batcher's timings are left as they were before; the controller's learned state starts over at
-calibration, which follows (LLM.__init__).
+up to 17, for which the delta-rule kernel compiles apart (its token count is a compile-time constant).  Lengths
+are capped by the longest request the engine takes.  The engine's counters and its admission batcher's timings
+are left as they were before; the controller's learned state starts over at calibration, which follows
+(LLM.__init__).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ def warm_up_eager(engine) -> int:
         raise RuntimeError("the eager warm-up needs an idle engine")
     stats = copy.deepcopy(engine.stats)
     speculator_stats = copy.deepcopy(getattr(engine.speculator, "stats", None))
-    longest = max(2, engine.max_model_len - NEW_TOKENS - 1)
+    longest = max(1, min(engine.max_model_len, engine.capacity_tokens) - NEW_TOKENS - 1)
     count, steps = 0, 0
     for run in RUNS:
         waves = list(run)

@@ -200,8 +200,8 @@ class Engine:
         setting = self.config.overlap_steps
         possible = self.fixed_acceptance and self.states is None
         if setting and not possible:
-            raise ConfigError("overlap_steps needs static_shapes and fixed_acceptance on (with CUDA graphs, "
-                              "fixed_acceptance=True) and a model that is not hybrid (Qwen3.5): leave it unset")
+            raise ConfigError("overlap_steps needs static_shapes and fixed_acceptance on and a model that is not "
+                              "hybrid (Qwen3.5): leave it unset")
         return possible and self._on_unless_set_off(setting)
 
     def _static_runner(self):
