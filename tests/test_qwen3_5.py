@@ -424,3 +424,28 @@ def test_sequence_groups_read_the_step_s_rows_in_place_when_they_are_in_order(co
         taken = group.take(rows)
         assert torch.equal(taken, rows[group.rows])  # the same values either way
         assert (taken.data_ptr() == rows.data_ptr()) == in_order  # a view only when in order
+
+
+def test_chunked_prefills_of_different_lengths_share_padded_groups():
+    """Sequences the chunked form runs join a group per bucket of chunk counts (1, 2, 3-4, 5-8, ...), padded to
+    the bucket's longest by repeating each one's last row, marked not real; token-by-token ones group by count."""
+    from specdec.models.gated_deltanet import plan_groups
+
+    counts = [20, 130, 9, 33, 200, 64, 70, 9]
+    starts = [0]
+    for n in counts:
+        starts.append(starts[-1] + n)
+    batch = AttentionBatch(torch.tensor(starts), torch.tensor(counts), torch.zeros(len(counts), 1, dtype=torch.long),
+                           torch.zeros(starts[-1], dtype=torch.long), max(counts), max(counts),
+                           host_lens=(list(counts), list(counts)))
+    batch.states = StateBatch([], [], slots=list(range(10, 10 + len(counts))), defer=[False] * len(counts))
+    groups = {tuple(g.seqs): g for g in plan_groups(batch)}
+    assert sorted(groups) == [(0, 3, 5), (1, 4), (2, 7), (6,)]
+    one_chunk = groups[(0, 3, 5)]
+    assert one_chunk.n == 64 and one_chunk.counts.tolist() == [20, 33, 64] and one_chunk.slots.tolist() == [10, 13, 15]
+    assert one_chunk.real.sum(dim=1).tolist() == [20, 33, 64]
+    assert one_chunk.rows[0].tolist() == list(range(20)) + [19] * 44  # past its count: its last row again
+    rows, out = one_chunk.scatter_rows(torch.arange(3 * 64).view(3, 64))
+    assert rows.tolist() == list(range(0, 20)) + list(range(starts[3], starts[3] + 33)) + list(range(starts[5], starts[6]))
+    assert out.tolist() == list(range(20)) + list(range(64, 97)) + list(range(128, 192))
+    assert groups[(2, 7)].real is None and groups[(6,)].real is None and not any(g.in_order for g in groups.values())

@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+import transformers
 
 from specdec import LLM, SamplingParams
 from specdec.errors import ConfigError
@@ -50,6 +51,21 @@ def test_greedy_equals_transformers_generate_batched_and_alone(hybrid):
     assert [generate(path, [p])[0][0] for p in PROMPTS[:2]] == expected[:2]
     assert llm.engine.blocks.prefix_hits == 0 and not llm.engine.states.last  # no prefix cache; nothing pending
     assert sorted(llm.engine.states.free) == list(range(llm.engine.config.max_num_seqs + 1))  # every slot back
+
+
+def test_prompts_of_many_lengths_prefilled_in_one_step_equal_transformers(hybrid):
+    """Prefills of different lengths share chunked groups, each padded to its longest with tokens that do nothing
+    (gated_deltanet._group_key): 20, 33 and 64 tokens (one chunk), 130 and 200 (3-4 chunks), 70 (2 chunks) and
+    a 9-token prompt (token by token), all in one step; each continuation equals transformers' alone."""
+    path, _ = hybrid
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+    prompts = [[3 + (5 * i + 11 * j) % 60 for j in range(n)] for i, n in enumerate((20, 130, 9, 33, 200, 64, 70))]
+    with torch.no_grad():
+        expected = [hf.generate(torch.tensor([ids]), max_new_tokens=GREEDY.max_tokens, do_sample=False,
+                                eos_token_id=None, pad_token_id=0)[0, len(ids):].tolist() for ids in prompts]
+    together, llm = generate(path, prompts)
+    assert llm.engine.stats["steps"] == GREEDY.max_tokens  # every prompt prefilled in the first step
+    assert together == expected
 
 
 def test_preemption_and_chunked_prefill_change_nothing(hybrid):

@@ -1,7 +1,8 @@
 """The Gated DeltaNet linear-attention layer of Qwen3.5 over the flat ragged step layout.
 
 A layer projects all T rows of the step at once, then runs its recurrence per group of sequences that
-feed the same number of tokens (`plan_groups`, built once per step and shared by every linear layer):
+feed the same number of tokens, or for the chunked form about as many chunks, padded with tokens that do
+nothing (`plan_groups`, built once per step and shared by every linear layer):
 each group's states are advanced together and written back to their slots (deferred sequences excepted: see
 specdec/models/recurrent_state.py).  The token-by-token form reads and writes the ssm pool's rows in place
 (`recurrent_heads` with slots: no gather or scatter of the states where the kernel runs); the chunked form
@@ -23,7 +24,7 @@ from torch import nn
 
 from specdec.models.attention import AttentionBatch
 from specdec.models.config import ModelConfig
-from specdec.models.delta_rule import causal_conv, chunked, recurrent_heads
+from specdec.models.delta_rule import CHUNK, causal_conv, chunked, conv_state_after, recurrent_heads
 from specdec.models.fused import Kernels
 from specdec.models.fused_linear import FusedProjection, fuse
 from specdec.models.recurrent_state import Deferred, StateBatch
@@ -43,6 +44,16 @@ class SequenceGroup:
     kept: torch.Tensor | None = None  # [m'] positions of the others (state written back), when only some are deferred
     deferred_index: torch.Tensor | None = None  # [m - m'] the deferred positions, when only some are deferred
     in_order: bool = False  # rows are all of the step's rows in order (rows == arange(T).view(m, n))
+    # a chunked group of sequences feeding different counts: which of the [m, n] rows are real (the others
+    # repeat the sequence's last row and are made tokens that do nothing), and each one's count [m]
+    real: torch.Tensor | None = None  # [m, n] bool
+    counts: torch.Tensor | None = None  # [m] long
+
+    def scatter_rows(self, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(flat rows, their outputs) of out [m, n, ...]: a padded group's real rows only."""
+        if self.real is None:
+            return self.rows.flatten(), out.flatten(0, 1)
+        return self.rows[self.real], out[self.real]
 
     def take(self, t: torch.Tensor) -> torch.Tensor:
         """The group's rows of t [T, ...] as [m, n, ...]: a view when they are the step's rows in order (no
@@ -59,9 +70,10 @@ class SequenceGroup:
 
 
 def plan_groups(batch: AttentionBatch) -> list[SequenceGroup]:
-    """Group a step's sequences by how many tokens they feed.  Example: query counts (1, 5, 1), so flat rows
-    0 | 1..5 | 6 -> a group n = 1 of sequences [0, 2] with rows [[0], [6]], and n = 5 of [1] with rows
-    [[1, 2, 3, 4, 5]].  Uses batch.host_lens (else reads query_start from the device: a sync); a padded step
+    """Group a step's sequences by how many tokens they feed (chunked ones by _group_key's buckets, padded to
+    the longest).  Example: query counts (1, 5, 1), so flat rows 0 | 1..5 | 6 -> a group n = 1 of sequences
+    [0, 2] with rows [[0], [6]], and n = 5 of [1] with rows [[1, 2, 3, 4, 5]].  Counts (20, 30): one chunked
+    group n = 30, sequence 0's rows 0..19 then row 19 ten times more (real: its first 20).  Uses batch.host_lens (else reads query_start from the device: a sync); a padded step
     (batch.uniform, slots on the device) is one group without any host read."""
     states = batch.states
     if batch.uniform and isinstance(states.slots, torch.Tensor):
@@ -75,19 +87,37 @@ def plan_groups(batch: AttentionBatch) -> list[SequenceGroup]:
     by_count: dict[int, list[int]] = {}
     for i, n in enumerate(counts):
         if n:
-            by_count.setdefault(n, []).append(i)
+            by_count.setdefault(_group_key(n, states.defer[i]), []).append(i)
     device = batch.query_start.device
     groups = []
-    for n, seqs in by_count.items():
-        group = SequenceGroup(seqs=seqs, rows=upload([[starts[i] + j for j in range(n)] for i in seqs], device),
-                              slots=upload([states.slots[i] for i in seqs], device),
+    for seqs in by_count.values():
+        n = max(counts[i] for i in seqs)
+        # row j of sequence i: its j-th token, or past its count its last one again (a padded group)
+        rows = [[starts[i] + min(j, counts[i] - 1) for j in range(n)] for i in seqs]
+        group = SequenceGroup(seqs=seqs, rows=upload(rows, device), slots=upload([states.slots[i] for i in seqs], device),
                               deferred=[p for p, i in enumerate(seqs) if states.defer[i]],
-                              in_order=len(by_count) == 1 and len(seqs) == len(counts))
+                              in_order=len(by_count) == 1 and len(seqs) == len(counts)
+                              and all(counts[i] == n for i in seqs))
+        if any(counts[i] < n for i in seqs):
+            group.real = upload([[j < counts[i] for j in range(n)] for i in seqs], device).bool()
+            group.counts = upload([counts[i] for i in seqs], device)
         if group.deferred and len(group.deferred) < len(seqs):
             group.kept = upload([p for p, i in enumerate(seqs) if not states.defer[i]], device)
             group.deferred_index = upload(group.deferred, device)
         groups.append(group)
     return groups
+
+
+def _group_key(n: int, deferred: bool) -> int | tuple[int, int]:
+    """Which group a sequence feeding n tokens joins.  Token by token (n <= RECURRENT_MAX_TOKENS) or deferred:
+    those of the same n.  Chunked: all whose chunk counts share a power-of-two bucket, padded to the longest
+    (tokens that do nothing: the chunked form pads each sequence to whole chunks that way already), so that a
+    prefill of many prompts of different lengths runs a few chunked calls, not one per length.  Buckets of 1, 2,
+    3-4, 5-8, ... chunks.  Example, chunks of 64: n = 40 and 64 (1 chunk) join, 130 and 200 (3 and 4 chunks)
+    join, 70 (2 chunks) and 300 (5 chunks) go apart."""
+    if n <= RECURRENT_MAX_TOKENS or deferred:
+        return n
+    return ("chunked", (-(-n // CHUNK) - 1).bit_length())
 
 
 def uniform_group(q: int, states: StateBatch) -> SequenceGroup:
@@ -163,7 +193,8 @@ class GatedDeltaNet(nn.Module):
             return self._attend_group(groups[0], mixed, b, a, states).flatten(0, 1)
         core = mixed.new_empty(mixed.shape[0], self.num_v_heads, self.v_dim)  # [T, Hv, Dv]
         for group in groups:
-            core[group.rows.flatten()] = self._attend_group(group, mixed, b, a, states).flatten(0, 1)
+            rows, out = group.scatter_rows(self._attend_group(group, mixed, b, a, states))
+            core[rows] = out
         return core
 
     def output(self, core: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
@@ -183,6 +214,10 @@ class GatedDeltaNet(nn.Module):
         q, k, beta, g = Kernels.delta_rule_gates(q, k, group.take(b), group.take(a), self.A_log, self.dt_bias,
                                                  self.k_dim**-0.5)  # float32 [m, n, Hk, Dk] x 2, [m, n, Hv] x 2
         v = v.reshape(m, n, self.num_v_heads, self.v_dim)  # [m, n, Hv, Dv], x's dtype
+        if group.real is not None:  # rows past a sequence's count: no write (k = v = beta = 0), no decay (g = 0)
+            real = group.real.unsqueeze(-1)  # [m, n, 1]
+            k, v = k * real.unsqueeze(-1), v * real.unsqueeze(-1)
+            beta, g = beta * real, g * real
         if group.recurrent and group.kept is None:  # the slots' rows advanced (or, deferred, read) in place
             out, final = recurrent_heads(q, k, v.float(), g, beta, ssm_pool, slots=group.slots,
                                          store=not group.deferred)  # final None: nothing left to scatter
@@ -201,7 +236,10 @@ class GatedDeltaNet(nn.Module):
         final [m, Hv, Dk, Dv], or None where the delta rule already wrote (or left) the ssm rows in place."""
         conv_pool, ssm_pool = states.conv[self.state_index], states.ssm[self.state_index]
         width = conv_pool.shape[-1]
-        new_conv = window[..., window.shape[-1] - width:]  # the last K-1 inputs
+        if group.counts is None:
+            new_conv = window[..., window.shape[-1] - width:]  # the last K-1 inputs
+        else:  # a padded group: the K-1 inputs before each sequence's padding
+            new_conv = conv_state_after(window, group.counts, width)
         if not group.deferred:
             conv_pool[group.slots] = new_conv.to(conv_pool.dtype)
             if final is not None:
