@@ -351,3 +351,35 @@ def test_speculation_counters_with_ngram(qwen3_dir, llm):
     assert m[("specdec_spec_verify_steps_total", ())] > 0
     assert m[("specdec_spec_accepted_tokens_total", ())] == sum(
         v for (name, _), v in m.items() if name == "specdec_spec_accepted_per_position_total")
+
+
+def test_a_server_with_overlapped_steps_answers_as_generate_does(qwen3_dir):
+    """The server's engine with fixed-shape steps, where overlapped steps are on by default (as on a GPU): many
+    concurrent greedy and seeded sampled requests, streamed or not, get the text an engine without overlap gives,
+    and the overlapped path was taken."""
+    jobs = [(prompt_ids(i, 5 + i % 9), dict(temperature=0)) for i in range(12)]
+    jobs += [(prompt_ids(i, 7), dict(temperature=0.9, top_p=0.95, seed=i)) for i in range(12)]
+    with ServerThread(create_app(tiny_llm(qwen3_dir, static_shapes=True, max_graph_batch=32), MODEL)) as srv:
+
+        async def run():
+            aclient = openai.AsyncOpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0)
+
+            async def one(i, ids, kw):
+                if i % 3:
+                    out = await aclient.completions.create(model=MODEL, prompt=ids, max_tokens=10, **kw,
+                                                           extra_body={"ignore_eos": True})
+                    return out.choices[0].text
+                stream = await aclient.completions.create(model=MODEL, prompt=ids, max_tokens=10, stream=True, **kw,
+                                                          extra_body={"ignore_eos": True})
+                return "".join([chunk.choices[0].text async for chunk in stream])
+
+            async with aclient:
+                return await asyncio.gather(*[one(i, ids, kw) for i, (ids, kw) in enumerate(jobs)])
+
+        texts = asyncio.run(run())
+        overlapped = srv.metrics()[("specdec_engine_overlapped_steps_total", ())]
+    reference = tiny_llm(qwen3_dir, static_shapes=True, max_graph_batch=32, overlap_steps=False)
+    refs = reference.generate([ids for ids, _ in jobs], [SamplingParams(max_tokens=10, ignore_eos=True, **kw)
+                                                         for _, kw in jobs])
+    assert texts == [r.text for r in refs]
+    assert overlapped > 0
