@@ -2,7 +2,9 @@
 """Plain decoding at 8B scale on one GPU: step time against the memory floor, batch scaling, prefill,
 the verify-step cost model, and transformers' static-cache generate on the same weights; variants at batch 1
 and 8 (compiled graphs; overlapped steps, whose batch-1 step time, floor share and host gap are recorded as
-step_ms_bs1_overlap, floor_fraction_bs1_overlap and host_gap_ms_bs1_overlap).
+step_ms_bs1_overlap, floor_fraction_bs1_overlap and host_gap_ms_bs1_overlap; steps without overlap).  The main
+table runs the engine's defaults, overlapped steps among them since they became the default with CUDA graphs,
+so the no-overlap variant keeps the comparison.
 
 GPU run:      python3 bench/decode.py --out bench/results/decode-h200.json
 CPU dry run:  python3 bench/decode.py --tiny --out /tmp/decode.json
@@ -165,6 +167,7 @@ VARIANTS = {  # name -> make_engine options (the main table runs the engine's de
     "compiled-graphs": dict(compile_graphs="inductor"),
     # overlapped steps (engine/overlap.py, issue 21): the host schedules each step while the one before it runs
     "overlap-steps": dict(overlap_steps=True, fixed_acceptance=True, static_shapes=True),
+    "no-overlap": dict(overlap_steps=False),  # the default before overlapped steps were measured
 }
 CPU_VARIANTS = ("overlap-steps",)  # those the CPU dry run (--tiny) runs too: no compile, no CUDA needed
 

@@ -7,7 +7,8 @@ seeded; --temperature 0: greedy), per k the steps taken, their mean time and the
 (`propose`), tokens per step, the steps in which the drafter first caught up on tokens it had skipped
 (speculation switched back on) and their mean time, and the device memory the engine holds (allocated and reserved).
 Config plain-overlap: plain decoding with overlapped steps (engine/overlap.py); its steps are Engine.step() calls,
-one more per reply than it has steps (the first launches, the last commits), timed without a device sync.
+one more per reply than it has steps (the first launches, the last commits), timed without a device sync.  They
+are the default with CUDA graphs, so on a GPU `plain` is overlapped too; plain-no-overlap is plain without them.
 slow_steps: the up to 8 slowest steps past 4x the run's median step, each with what it was (its StepRecord: k,
 sequences, fed, drafts, eager) and what first-use work ran in it (torch.compile graphs, Triton compiles of the
 specdec.kernels, CUDA graphs captured), printed a line each; first_use_ms: their time beyond the median.
@@ -383,7 +384,7 @@ def main(argv=None) -> int:
                   twin=args.target_twin or None, attention_backend=args.attention_backend,
                   fixed_acceptance=args.fixed_acceptance, device_drafts=args.device_drafts)
     draft = dict(model=args.draft, draft_twin=args.draft_twin or None)
-    configs = {"plain": None, "plain-overlap": None,
+    configs = {"plain": None, "plain-overlap": None, "plain-no-overlap": None,
                "draft-adaptive-k8": SpecConfig("draft", num_draft_tokens=8, **draft),
                "draft-k8": SpecConfig("draft", num_draft_tokens=8, adaptive=False, **draft),
                "draft-k4": SpecConfig("draft", num_draft_tokens=4, adaptive=False, **draft),
@@ -411,7 +412,8 @@ def main(argv=None) -> int:
                "drafter": f"{args.draft} as {args.draft_twin} twin", "tokens": args.tokens, "batch": args.batch,
                "temperature": args.temperature, "rows": []}
     # plain-overlap: plain decoding with overlapped steps (engine/overlap.py), which needs fixed acceptance
-    overrides = {"plain-overlap": dict(overlap_steps=True, fixed_acceptance=True, static_shapes=True)}
+    overrides = {"plain-overlap": dict(overlap_steps=True, fixed_acceptance=True, static_shapes=True),
+                 "plain-no-overlap": dict(overlap_steps=False)}
     for name in args.configs.split(","):
         options = {**engine, **overrides.get(name, {})}
         row = measure(name, lambda: with_head_switches(LLM(args.target, speculator=configs[name], **options),
