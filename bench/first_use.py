@@ -105,14 +105,15 @@ def main(argv=None) -> int:
         before, t0 = counts(llm), time.perf_counter()
         params = [SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=1000 * len(rows) + i) for i in range(n)]
         for i in range(0, n, concurrency):
-            llm.generate([prompts[j % len(prompts)] for j in range(i, min(n, i + concurrency))], params[i:i + concurrency])
+            batch = [prompts[j % len(prompts)] for j in range(i, min(n, i + concurrency))]
+            llm.generate(batch, params[i:i + concurrency])
         after = counts(llm)
         rows.append({"phase": phase, "seconds": time.perf_counter() - t0,
                      **{key: after[key] - before[key] for key in after}})
     print(f"{'phase':<10} {'seconds':>8} {'compiled':>8} {'triton':>6} {'graphs':>6} {'acceptance':>10}")
     for row in rows:
-        print(f"{row['phase']:<10} {row['seconds']:8.2f} {row['compiled']:8d} {row['triton']:6d} {row['cuda_graphs']:6d} "
-              f"{row['acceptance_keys']:10d}")
+        print(f"{row['phase']:<10} {row['seconds']:8.2f} {row['compiled']:8d} {row['triton']:6d} "
+              f"{row['cuda_graphs']:6d} {row['acceptance_keys']:10d}")
     built = sum(row["compiled"] + row["triton"] + row["cuda_graphs"] + row["acceptance_keys"] for row in rows[1:])
     write_json(args.out, {"env": environment(device), "args": vars(args), "rows": rows, "built_after_start_up": built})
     return 0

@@ -95,7 +95,8 @@ def test_the_warm_up_leaves_the_engine_and_its_replies_as_they_were(target):
     assert warm.engine.stats == cold.engine.stats
     assert warm.engine.speculator.stats == cold.engine.speculator.stats
     assert not warm.engine.has_work() and warm.engine.blocks.num_free == cold.engine.blocks.num_free
-    assert [o.token_ids for o in warm.generate(prompts, params)] == [o.token_ids for o in cold.generate(prompts, params)]
+    replies = [o.token_ids for o in warm.generate(prompts, params)]
+    assert replies == [o.token_ids for o in cold.generate(prompts, params)]
 
 
 def test_a_cpu_engine_runs_no_warm_up_unless_forced(target):

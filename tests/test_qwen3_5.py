@@ -446,6 +446,6 @@ def test_chunked_prefills_of_different_lengths_share_padded_groups():
     assert one_chunk.real.sum(dim=1).tolist() == [20, 33, 64]
     assert one_chunk.rows[0].tolist() == list(range(20)) + [19] * 44  # past its count: its last row again
     rows, out = one_chunk.scatter_rows(torch.arange(3 * 64).view(3, 64))
-    assert rows.tolist() == list(range(0, 20)) + list(range(starts[3], starts[3] + 33)) + list(range(starts[5], starts[6]))
+    assert rows.tolist() == [*range(0, 20), *range(starts[3], starts[3] + 33), *range(starts[5], starts[6])]
     assert out.tolist() == list(range(20)) + list(range(64, 97)) + list(range(128, 192))
     assert groups[(2, 7)].real is None and groups[(6,)].real is None and not any(g.in_order for g in groups.values())

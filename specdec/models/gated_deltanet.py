@@ -35,7 +35,7 @@ RECURRENT_MAX_TOKENS = 17  # a verify step of 16 drafts plus one; longer runs pe
 
 @dataclasses.dataclass
 class SequenceGroup:
-    """The step's sequences that each feed n tokens."""
+    """The step's sequences that each feed n tokens, or for the chunked form at most n (a padded group)."""
 
     seqs: list[int]  # their indices among the step's sequences
     rows: torch.Tensor  # [m, n] long: flat row of each one's j-th token
@@ -73,8 +73,9 @@ def plan_groups(batch: AttentionBatch) -> list[SequenceGroup]:
     """Group a step's sequences by how many tokens they feed (chunked ones by _group_key's buckets, padded to
     the longest).  Example: query counts (1, 5, 1), so flat rows 0 | 1..5 | 6 -> a group n = 1 of sequences
     [0, 2] with rows [[0], [6]], and n = 5 of [1] with rows [[1, 2, 3, 4, 5]].  Counts (20, 30): one chunked
-    group n = 30, sequence 0's rows 0..19 then row 19 ten times more (real: its first 20).  Uses batch.host_lens (else reads query_start from the device: a sync); a padded step
-    (batch.uniform, slots on the device) is one group without any host read."""
+    group n = 30, sequence 0's rows 0..19 then row 19 ten times more (real: its first 20).  Uses
+    batch.host_lens (else reads query_start from the device: a sync); a padded step (batch.uniform, slots on the
+    device) is one group without any host read."""
     states = batch.states
     if batch.uniform and isinstance(states.slots, torch.Tensor):
         return [uniform_group(batch.max_query_len, states)]
@@ -84,7 +85,7 @@ def plan_groups(batch: AttentionBatch) -> list[SequenceGroup]:
         raise ValueError(f"StateBatch has {len(states.slots)} slots and {len(states.defer)} defer flags for a "
                          f"step of {len(counts)} sequences: give one of each per sequence")
     starts = [0, *itertools.accumulate(counts)]
-    by_count: dict[int, list[int]] = {}
+    by_count: dict[int | tuple[str, int], list[int]] = {}  # _group_key -> the sequences of that group
     for i, n in enumerate(counts):
         if n:
             by_count.setdefault(_group_key(n, states.defer[i]), []).append(i)
@@ -94,7 +95,8 @@ def plan_groups(batch: AttentionBatch) -> list[SequenceGroup]:
         n = max(counts[i] for i in seqs)
         # row j of sequence i: its j-th token, or past its count its last one again (a padded group)
         rows = [[starts[i] + min(j, counts[i] - 1) for j in range(n)] for i in seqs]
-        group = SequenceGroup(seqs=seqs, rows=upload(rows, device), slots=upload([states.slots[i] for i in seqs], device),
+        group = SequenceGroup(seqs=seqs, rows=upload(rows, device),
+                              slots=upload([states.slots[i] for i in seqs], device),
                               deferred=[p for p, i in enumerate(seqs) if states.defer[i]],
                               in_order=len(by_count) == 1 and len(seqs) == len(counts)
                               and all(counts[i] == n for i in seqs))
@@ -108,7 +110,7 @@ def plan_groups(batch: AttentionBatch) -> list[SequenceGroup]:
     return groups
 
 
-def _group_key(n: int, deferred: bool) -> int | tuple[int, int]:
+def _group_key(n: int, deferred: bool) -> int | tuple[str, int]:
     """Which group a sequence feeding n tokens joins.  Token by token (n <= RECURRENT_MAX_TOKENS) or deferred:
     those of the same n.  Chunked: all whose chunk counts share a power-of-two bucket, padded to the longest
     (tokens that do nothing: the chunked form pads each sequence to whole chunks that way already), so that a
