@@ -30,21 +30,13 @@ import torch  # noqa: E402
 from bench.common import compiles, environment, triton_compiles, write_json  # noqa: E402
 from specdec import LLM, SamplingParams  # noqa: E402
 from specdec.assets import heldout_prompts_path  # noqa: E402
+from specdec.models import fused  # noqa: E402
 from specdec.speculate import SpecConfig  # noqa: E402
 
 # (phase, requests, concurrency, max_tokens): the judge's default sizes (8 prompts; team 16 lanes; busy longer)
 PHASES = [("warm-up", 8, 8, 8)] + [(f"{name} {p}", n, c, t) for p in (1, 2, 3)
                                    for name, n, c, t in (("solo", 8, 1, 48), ("team", 16, 16, 48),
                                                          ("busy", 24, 24, 64))]
-
-
-def compile_pieces_eagerly() -> None:
-    """The elementwise pieces as a GPU runs them (torch.compile, dynamic shapes), with dynamo's eager backend."""
-    from specdec.models import fused
-
-    for name, fn in fused.PLAIN.items():
-        setattr(fused.Kernels, name, staticmethod(fused.compile_elementwise(fn, backend="eager")))
-    fused.Kernels.fused = True
 
 
 def graphs_captured(llm: LLM) -> int:
@@ -72,7 +64,7 @@ def start(args, device: torch.device) -> LLM:
                    max_model_len=2048, device=device, twin=args.target_twin or None, warm_up=args.warm_up)
     if device.type == "cuda":
         return LLM(args.target, speculator=spec, **options)
-    compile_pieces_eagerly()
+    fused.use_compiled(fused.compile_all("eager"))  # the pieces as a GPU runs them, with dynamo's eager backend
     with torch.inference_mode():  # a GPU's start-up order: precapture, the warm-up, then calibration
         llm = LLM(args.target, speculator=spec, precapture=False, **options)
         llm.engine.precapture_graphs(eager=True)

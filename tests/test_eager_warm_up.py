@@ -13,6 +13,7 @@ import contextlib
 import pytest
 import torch
 
+from bench.common import compiles
 from specdec import SamplingParams
 from specdec.models import fused
 from tests import test_mtp
@@ -26,9 +27,7 @@ def compiled_pieces():
     """Kernels set to fused.PLAIN compiled by dynamo with the eager backend; restored afterwards."""
     saved, was_fused = {name: fused.Kernels.__dict__[name] for name in fused.PLAIN}, fused.Kernels.fused
     torch._dynamo.reset()
-    for name, fn in fused.PLAIN.items():
-        setattr(fused.Kernels, name, staticmethod(fused.compile_elementwise(fn, backend="eager")))
-    fused.Kernels.fused = True
+    fused.use_compiled(fused.compile_all("eager"))
     try:
         yield
     finally:
@@ -36,12 +35,6 @@ def compiled_pieces():
             setattr(fused.Kernels, name, fn)
         fused.Kernels.fused = was_fused
         torch._dynamo.reset()
-
-
-def compiled_graphs() -> int:
-    from torch._dynamo.utils import counters
-
-    return counters["stats"]["unique_graphs"]
 
 
 def ids(length: int, offset: int) -> list[int]:
@@ -79,9 +72,9 @@ def test_after_the_warm_up_served_loads_compile_nothing_new(target, warm):
     path, _ = target
     with compiled_pieces():
         llm = started(path, warm)
-        before = compiled_graphs()
+        before = compiles()
         served_loads(llm)
-        new = compiled_graphs() - before
+        new = compiles() - before
     assert (new == 0) if warm else (new > 0), new
 
 

@@ -93,14 +93,14 @@ def plan_groups(batch: AttentionBatch) -> list[SequenceGroup]:
     groups = []
     for seqs in by_count.values():
         n = max(counts[i] for i in seqs)
+        padded = any(counts[i] < n for i in seqs)
         # row j of sequence i: its j-th token, or past its count its last one again (a padded group)
         rows = [[starts[i] + min(j, counts[i] - 1) for j in range(n)] for i in seqs]
         group = SequenceGroup(seqs=seqs, rows=upload(rows, device),
                               slots=upload([states.slots[i] for i in seqs], device),
                               deferred=[p for p, i in enumerate(seqs) if states.defer[i]],
-                              in_order=len(by_count) == 1 and len(seqs) == len(counts)
-                              and all(counts[i] == n for i in seqs))
-        if any(counts[i] < n for i in seqs):
+                              in_order=len(by_count) == 1 and len(seqs) == len(counts) and not padded)
+        if padded:
             group.real = upload([[j < counts[i] for j in range(n)] for i in seqs], device).bool()
             group.counts = upload([counts[i] for i in seqs], device)
         if group.deferred and len(group.deferred) < len(seqs):
