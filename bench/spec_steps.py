@@ -373,6 +373,8 @@ def main(argv=None) -> int:
     parser.add_argument("--chain-ahead", action=argparse.BooleanOptionalAction, default=None,
                         help="an EAGLE-3 / MTP head's next chain launched behind its early observe "
                              "(Eagle3Speculator.chain_ahead; default: the speculator's)")
+    parser.add_argument("--piecewise-graphs", action=argparse.BooleanOptionalAction, default=None,
+                        help="the engines' EngineConfig.piecewise_graphs (default: the engine's)")
     parser.add_argument("--attention-backend", default=None, choices=("sdpa", "triton"),
                         help="the engines' attention (default: the engine's, triton on a GPU)")
     parser.add_argument("--profile-steps", type=int, default=0,
@@ -382,7 +384,8 @@ def main(argv=None) -> int:
     prompts = [json.loads(line)["prompt"] for line in heldout_prompts_path().read_text().splitlines()[:args.prompts]]
     engine = dict(device=device, max_num_seqs=args.batch, kv_cache_tokens=4096 * args.batch, max_model_len=2048,
                   twin=args.target_twin or None, attention_backend=args.attention_backend,
-                  fixed_acceptance=args.fixed_acceptance, device_drafts=args.device_drafts)
+                  fixed_acceptance=args.fixed_acceptance, device_drafts=args.device_drafts,
+                  piecewise_graphs=args.piecewise_graphs)
     draft = dict(model=args.draft, draft_twin=args.draft_twin or None)
     configs = {"plain": None, "plain-overlap": None, "plain-no-overlap": None,
                "draft-adaptive-k8": SpecConfig("draft", num_draft_tokens=8, **draft),
@@ -407,7 +410,7 @@ def main(argv=None) -> int:
                                                                   **head)
     results = {"env": environment(device), "attention_backend": args.attention_backend or "engine default",
                "fixed_acceptance": args.fixed_acceptance, "device_drafts": args.device_drafts,
-               "early_observe": args.early_observe, "chain_ahead": args.chain_ahead,
+               "piecewise_graphs": args.piecewise_graphs, "early_observe": args.early_observe, "chain_ahead": args.chain_ahead,
                "target": f"{args.target} as {args.target_twin} twin",
                "drafter": f"{args.draft} as {args.draft_twin} twin", "tokens": args.tokens, "batch": args.batch,
                "temperature": args.temperature, "rows": []}
