@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """Prefill steps of a team-like batch (several prompts of ragged lengths arriving together): wall time per
-step, eager and with piecewise graphs, and where the device time goes (the costliest kernels by their own
+step, eager and with piecewise graphs, a Gated DeltaNet's long runs in the Triton kernel or in the chunked
+PyTorch form, and where the device time goes (the costliest kernels by their own
 device time, torch.profiler).  The 27B twin's team load spends about half its time in two such steps (issue 22).
 
 Each timed run prefills new prompts (fresh ids: no prefix is reused) and emits one token per prompt.
@@ -24,8 +25,12 @@ import torch  # noqa: E402
 
 from bench.common import environment, sync, write_json  # noqa: E402
 from specdec import LLM, SamplingParams  # noqa: E402
+from specdec.models import gated_deltanet  # noqa: E402
 
-VARIANTS = {"eager": False, "piecewise": True}  # name -> EngineConfig.piecewise_graphs
+# name -> (EngineConfig.piecewise_graphs, a Gated DeltaNet's long runs token by token in the Triton kernel where it
+# runs, else in the chunked PyTorch form)
+VARIANTS = {"eager": (False, True), "piecewise": (True, True), "eager-chunked": (False, False),
+            "piecewise-chunked": (True, False)}
 
 
 def prompt_lengths(prompts: int, tokens: int) -> list[int]:
@@ -65,8 +70,9 @@ def kernel_table(llm: LLM, prompts: list[list[int]], params: SamplingParams, top
 
 
 def measure(variant: str, args, device: torch.device, lengths: list[int]) -> dict:
+    piecewise, gated_deltanet.LONG_RUNS_IN_KERNEL = VARIANTS[variant]
     started = time.perf_counter()
-    llm = LLM(args.target, twin=args.twin or None, device=device, piecewise_graphs=VARIANTS[variant],
+    llm = LLM(args.target, twin=args.twin or None, device=device, piecewise_graphs=piecewise,
               max_num_seqs=len(lengths), kv_cache_tokens=args.kv_cache_tokens, max_model_len=args.max_model_len)
     built_s = time.perf_counter() - started
     vocab = min(llm.engine.model.config.vocab_size, 1000)
@@ -101,7 +107,7 @@ def main(argv=None) -> int:
     parser.add_argument("--twin", default="qwen3.5-27b", help="the target's twin shape ('' for none)")
     parser.add_argument("--prompts", type=int, default=12, help="prompts arriving together")
     parser.add_argument("--tokens", type=int, default=2048, help="their tokens in all")
-    parser.add_argument("--variants", default="eager,piecewise")
+    parser.add_argument("--variants", default="eager,piecewise,eager-chunked", help=f"of {', '.join(VARIANTS)}")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--top", type=int, default=25, help="kernels kept from one profiled run (0: no profile)")
     parser.add_argument("--kv-cache-tokens", type=int, default=8192)
@@ -119,6 +125,7 @@ def main(argv=None) -> int:
         for kernel in row.get("profile", {}).get("top", [])[:12]:
             print(f"   {kernel['ms']:9.3f} ms {kernel['calls']:6d}x  {kernel['name']}", flush=True)
         write_json(args.out, record)
+    gated_deltanet.LONG_RUNS_IN_KERNEL = True
     return 0
 
 

@@ -28,7 +28,7 @@ kernel = kernel_module("specdec.kernels.delta_rule")  # None outside the child
 @parent_only
 def test_kernel_cases_under_the_interpreter():
     """This file's kernel cases, in a child process started with TRITON_INTERPRET=1."""
-    run_child(__file__, min_passed=28, parent_tests=7)  # this one, the GPU case and the 5 compile cases
+    run_child(__file__, min_passed=30, parent_tests=7)  # this one, the GPU case and the 5 compile cases
 
 
 def make_case(batch, tokens, key_heads, repeat, dk, dv, seed=0):
@@ -206,6 +206,27 @@ def test_slot_indexing_has_power():
 
 
 @child_only
+@pytest.mark.parametrize("counts", [None, [9, 4, 0]])
+def test_runs_longer_than_the_compiled_counts_read_their_length_at_run_time(monkeypatch, counts):
+    """Past MAX_TOKENS (lowered here to 4) the token count is a run-time argument: the same outputs and states
+    as the recurrent form, with counts and in place on a pool too."""
+    monkeypatch.setattr(kernel, "MAX_TOKENS", 4)
+    (q, k, v, g, beta, state), pool, slots = make_case(3, 9, 2, 3, 16, 24, seed=4), None, torch.tensor([2, 0, 4])
+    counts = None if counts is None else torch.tensor(counts)
+    out, final = kernel.fused_recurrent(q, k, v, g, beta, state, counts)
+    if counts is None:
+        expected_out, expected_final = reference(q, k, v, g, beta, state)
+        close(out, expected_out)
+    else:
+        expected_final = advance(state, grouped(k, v.shape[2]), v, g, beta, counts, 9)
+    close(final, expected_final)
+    pool = torch.randn(5, *state.shape[1:])
+    pool[slots] = state
+    kernel.fused_recurrent(q, k, v, g, beta, pool, counts, write_outputs=counts is None, slots=slots)
+    close(pool[slots], expected_final)
+
+
+@child_only
 def test_padding_sequences_may_share_a_scratch_slot():
     """Two padding sequences on one scratch slot (as a fixed-shape step lays them) leave the real sequence's
     result and every other row as they would be alone."""
@@ -261,6 +282,9 @@ def layer_steps(layer, pools):
     run(groups, mixed, 4)
     commit(mixed, [1, 0])
     seen.append([t.clone() for t in pools[0] + pools[1]])
+    # a prefill: 40 and 21 tokens (one padded group: the chunked form, or the kernel at a run-time length)
+    # beside a decode step
+    run(*ragged_step(pools, [40, 1, 21], [4, 1, 0], [False] * 3), 62)
     return seen
 
 
@@ -269,21 +293,24 @@ def test_the_layer_and_its_commits_through_the_kernel_equal_the_pytorch_form(mon
     """gated_deltanet and recurrent_state with the kernel forced on the CPU (slot-indexed, in place) give the
     PyTorch form's outputs and pools at every step: ragged and in-order decode / verify groups, a deferred verify
     (its pools untouched) and its commit, a padded step whose padding shares the scratch slot and its
-    commit_on_device, a group with only some sequences deferred.  The scratch slot's rows are not compared."""
+    commit_on_device, a group with only some sequences deferred, a prefill of long ragged runs (the PyTorch
+    form's chunked one, token by token in the kernel).  The scratch slot's rows are not compared."""
     config = ModelConfig.from_dict(HYBRID)
     torch.manual_seed(0)
     layer = GatedDeltaNet(config, state_index=0)
     plain = layer_steps(layer, new_state_pools(config, 6, "cpu", torch.float32))
-    calls = []
+    calls, tokens = [], []
 
     def counted(*args, **kwargs):
         calls.append(kwargs.get("slots") is not None)
+        tokens.append(args[0].shape[1])
         return kernel.fused_recurrent(*args, **kwargs)
 
     forced = types.SimpleNamespace(supports=kernel.fits, fused_recurrent=counted)  # the interpreter runs CPU tensors
     monkeypatch.setattr(model_delta_rule, "_kernel_for", lambda state: forced)
     fused = layer_steps(layer, new_state_pools(config, 6, "cpu", torch.float32))
     assert calls.count(True) >= 8 and calls.count(False) >= 1  # in place; the mixed group's gathered states
+    assert max(tokens) == 40  # the prefill's padded group ran in the kernel
     real = torch.arange(6) != SCRATCH
     for got, want in zip(fused, plain):
         if isinstance(got, list):
@@ -308,7 +335,8 @@ def test_supports_cuda_float32_of_the_kernel_shapes_only():
     assert not kernel.fits(q, k, v[:, :, :5], g[:, :, :5], beta[:, :, :5], state[:, :5])  # 5 heads, Hk 2
     assert not kernel.fits(q, k, v, g, beta, state[:1])
     assert not kernel.fits(q, k, v, g, beta, state, counts=torch.tensor([1]))
-    assert not kernel.fits(*make_case(1, kernel.MAX_TOKENS + 1, 1, 1, 16, 16))
+    assert kernel.fits(*make_case(1, kernel.MAX_TOKENS + 1, 1, 1, 16, 16))  # a prefill's run: any length
+    assert not kernel.fits(*make_case(1, 0, 1, 1, 16, 16))
     assert not kernel.fits(*make_case(1, 1, 1, 1, 16, kernel.MAX_HEAD_DIM + 8))
     pool = torch.zeros(5, *state.shape[1:])
     assert kernel.fits(*case[:5], pool, slots=torch.tensor([4, 0])) and not kernel.fits(*case[:5], pool)
@@ -356,7 +384,8 @@ def test_compiled_kernel_on_the_gpu():
 def test_the_kernel_compiles_for_hopper(has_slots, store, has_counts, write_out):
     """The interpreter runs the kernel as Python and so accepts code Triton's compiler refuses; compiling it to
     PTX for sm_90 (no GPU needed) checks each mode the engine launches: decode / verify steps in place on the
-    pools (store on, or off for a deferred verify), the commit with counts, and the gathered form."""
+    pools (store on, or off for a deferred verify), the commit with counts, and the gathered form; the token
+    count compiled in (T = 2) or read at run time (T = 0, a prefill's run)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -365,8 +394,8 @@ def test_the_kernel_compiles_for_hopper(has_slots, store, has_counts, write_out)
 
     pointers = {name: "*fp32" for name in ("q_ptr", "k_ptr", "v_ptr", "g_ptr", "beta_ptr", "state_ptr", "out_ptr",
                                           "final_ptr")}
-    pointers.update(counts_ptr="*i64", slots_ptr="*i64")
-    constants = dict(T=2, HK=16, H=48, DK=128, DV=128, DK_PAD=128, BLOCK_V=32, HAS_COUNTS=has_counts,
+    pointers.update(counts_ptr="*i64", slots_ptr="*i64", tokens="i32")
+    constants = dict(T=2 if has_counts or not has_slots else 0, HK=16, H=48, DK=128, DV=128, DK_PAD=128, BLOCK_V=32, HAS_COUNTS=has_counts,
                      HAS_SLOTS=has_slots, STORE=store, WRITE_OUT=write_out)  # the Qwen3.5-27B layer's shape
     source = ASTSource(fn=compiled._recurrent_kernel, signature={**pointers, **{k: "constexpr" for k in constants}},
                        constexprs=constants)

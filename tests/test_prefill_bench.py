@@ -16,7 +16,7 @@ def test_prompt_lengths_are_ragged_and_sum_to_the_tokens_asked():
 def test_each_variant_prefills_fresh_prompts_in_one_step_and_records_its_costliest_operators(tmp_path):
     out = tmp_path / "prefill.json"
     assert prefill.main(["--device", "cpu", "--target", "ref-hybrid", "--twin", "", "--prompts", "3",
-                         "--tokens", "90", "--repeats", "2", "--top", "5", "--out", str(out)]) == 0
+                         "--tokens", "90", "--repeats", "2", "--top", "5", "--variants", "eager,piecewise", "--out", str(out)]) == 0
     record = json.loads(out.read_text())
     assert record["prompt_lengths"] == prefill.prompt_lengths(3, 90)
     assert [row["variant"] for row in record["rows"]] == ["eager", "piecewise"]

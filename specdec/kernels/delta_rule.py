@@ -21,8 +21,10 @@ of two: the tile is padded to powers of two and masked (padded rows hold k = q =
 With counts [B], sequence b applies only its first counts[b] tokens to the state: the loads of k, v, g and
 beta of a later token are masked off, which makes it a no-op (decay exp(0) = 1, k = 0, beta = 0; its values
 are never read, so padding may hold anything).  The outputs of such tokens are those of the held state.  The
-grid depends only on the shapes (a CUDA graph replays it), T is a compile-time constant (one compilation per
-token count) and nothing waits on the device.
+grid depends only on the shapes (a CUDA graph replays it) and nothing waits on the device.  The token count T is
+compiled in up to MAX_TOKENS (decode and verify steps: one compilation per count, warmed up at start-up); a
+longer run (a prefill, whose lengths vary from step to step) reads it at run time, one compilation for all:
+token by token in one launch costs less than the chunked form's ~100 PyTorch ops while the host launches them.
 
 With slots [B] (long, on the device) the state argument is the layer's whole pool [N, H, Dk, Dv] (N slots,
 specdec/models/recurrent_state.py) and sequence b's state is its row slots[b]: read there, and written back
@@ -45,14 +47,14 @@ import torch
 import triton
 import triton.language as tl
 
-MAX_TOKENS = 64  # tokens per call (decode and verify steps; prefill takes the chunked form)
+MAX_TOKENS = 17  # token counts compiled in: decode and verify steps (16 drafts + 1); longer runs read theirs
 MAX_HEAD_DIM = 256  # Dk and Dv
 BLOCK_V = 32  # state columns per program: 128 B of each state row, a [128, 32] tile (32 registers a thread)
 
 
 @triton.jit
 def _token(S, t, seq, head, key_head, count, rows, row_ok, cols, col_ok, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr,
-           out_ptr, T: tl.constexpr, HK: tl.constexpr, H: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+           out_ptr, T, HK: tl.constexpr, H: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
            WRITE_OUT: tl.constexpr):
     """Token t of the program's sequence applied to S [DK_PAD, BLOCK_V] (a no-op past `count`); its output
     columns written.  Returns the new S."""
@@ -72,14 +74,14 @@ def _token(S, t, seq, head, key_head, count, rows, row_ok, cols, col_ok, q_ptr, 
     return S
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["tokens"])  # one compilation for every run-time length (none per divisibility)
 def _recurrent_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, counts_ptr, slots_ptr, out_ptr,
-                      final_ptr, T: tl.constexpr, HK: tl.constexpr, H: tl.constexpr, DK: tl.constexpr,
+                      final_ptr, tokens, T: tl.constexpr, HK: tl.constexpr, H: tl.constexpr, DK: tl.constexpr,
                       DV: tl.constexpr, DK_PAD: tl.constexpr, BLOCK_V: tl.constexpr, HAS_COUNTS: tl.constexpr,
                       HAS_SLOTS: tl.constexpr, STORE: tl.constexpr, WRITE_OUT: tl.constexpr):
     """One program per (sequence, value head, block of BLOCK_V columns); every tensor contiguous.  The state
     row is the sequence's own (state [B, ...], final [B, ...]) or, with HAS_SLOTS, slots[seq] (state and final
-    both the pool [N, ...]); STORE off writes no final state."""
+    both the pool [N, ...]); STORE off writes no final state.  T: the tokens per sequence, or 0: `tokens`."""
     seq = tl.program_id(0).to(tl.int64)  # int64: N * H * Dk * Dv may pass 2^31
     state_row = tl.load(slots_ptr + seq).to(tl.int64) if HAS_SLOTS else seq
     head = tl.program_id(1)
@@ -91,10 +93,18 @@ def _recurrent_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, counts_pt
     tile = (state_row * H + head) * DK * DV + rows[:, None] * DV + cols[None, :]  # [DK_PAD, BLOCK_V] offsets
     tile_ok = row_ok[:, None] & col_ok[None, :]
     S = tl.load(state_ptr + tile, mask=tile_ok, other=0.0)
-    count = tl.load(counts_ptr + seq) if HAS_COUNTS else T
-    for t in range(T):
-        S = _token(S, t, seq, head, key_head, count, rows, row_ok, cols, col_ok, q_ptr, k_ptr, v_ptr, g_ptr,
-                   beta_ptr, out_ptr, T, HK, H, DK, DV, WRITE_OUT)
+    if T > 0:  # the count compiled in (decode and verify steps)
+        count = tl.load(counts_ptr + seq) if HAS_COUNTS else T
+        for t in range(T):
+            S = _token(S, t, seq, head, key_head, count, rows, row_ok, cols, col_ok, q_ptr, k_ptr, v_ptr, g_ptr,
+                       beta_ptr, out_ptr, T, HK, H, DK, DV, WRITE_OUT)
+    else:  # read at run time (a prefill's run; a while loop, which the interpreter also runs)
+        count = tl.load(counts_ptr + seq) if HAS_COUNTS else tokens
+        t = 0
+        while t < tokens:
+            S = _token(S, t, seq, head, key_head, count, rows, row_ok, cols, col_ok, q_ptr, k_ptr, v_ptr, g_ptr,
+                       beta_ptr, out_ptr, tokens, HK, H, DK, DV, WRITE_OUT)
+            t += 1
     if STORE:
         tl.store(final_ptr + tile, S, mask=tile_ok)
 
@@ -106,7 +116,7 @@ def fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, bet
          state: torch.Tensor, counts: torch.Tensor | None = None, slots: torch.Tensor | None = None) -> bool:
     """Whether the shapes are the kernel's: q, k [B, T, Hk, Dk], v [B, T, H, Dv], g, beta [B, T, H],
     state [B, H, Dk, Dv] (with slots [B]: the pool [N, H, Dk, Dv], contiguous as it is written in place),
-    counts [B], with H a multiple of Hk, 1 <= T <= MAX_TOKENS, Dk, Dv <= MAX_HEAD_DIM."""
+    counts [B], with H a multiple of Hk, T >= 1, Dk, Dv <= MAX_HEAD_DIM."""
     if q.dim() != 4 or v.dim() != 4 or state.dim() != 4:
         return False
     batch, tokens, key_heads, dk = q.shape
@@ -115,7 +125,7 @@ def fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, bet
         state.shape[1:] == (heads, dk, dv) and slots.shape == (batch,) and state.is_contiguous()
     return (k.shape == q.shape and v.shape[:2] == (batch, tokens) and g.shape == beta.shape == (batch, tokens, heads)
             and state_ok and (counts is None or counts.shape == (batch,))
-            and heads % key_heads == 0 and 1 <= tokens <= MAX_TOKENS and dk <= MAX_HEAD_DIM and dv <= MAX_HEAD_DIM)
+            and heads % key_heads == 0 and tokens >= 1 and dk <= MAX_HEAD_DIM and dv <= MAX_HEAD_DIM)
 
 
 def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -164,7 +174,7 @@ def fused_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
     out = v.new_empty(v.shape) if write_outputs else None
     _recurrent_kernel[(batch, heads, triton.cdiv(dv, block_v))](
         q, k, v, g, beta, state, state if counts is None else counts, state if slots is None else slots,
-        v if out is None else out, final, T=tokens, HK=key_heads, H=heads, DK=dk, DV=dv, DK_PAD=dk_pad,
+        v if out is None else out, final, tokens, T=tokens if tokens <= MAX_TOKENS else 0, HK=key_heads, H=heads, DK=dk, DV=dv, DK_PAD=dk_pad,
         BLOCK_V=block_v, HAS_COUNTS=counts is not None, HAS_SLOTS=slots is not None,
         STORE=slots is None or store, WRITE_OUT=write_outputs, num_warps=num_warps or warps)
     return out, (final if slots is None else None)

@@ -80,6 +80,12 @@ def _torch_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Ten
     return recurrent(q.repeat_interleave(repeat, dim=2), k, v, g, beta, state)
 
 
+def fused_on(state: torch.Tensor) -> bool:
+    """Whether recurrent_heads runs as one Triton launch on state's device, whatever the token count: then a
+    prefill run, too, is cheaper token by token in that launch than in `chunked`'s ~100 PyTorch ops a call."""
+    return _kernel_for(state) is not None
+
+
 def _kernel_for(state: torch.Tensor):
     """The kernel module for a call on state's device: specdec.kernels.delta_rule on a GPU, else None (the
     interpreter tests replace this to run the kernel on the CPU)."""

@@ -24,13 +24,14 @@ from torch import nn
 
 from specdec.models.attention import AttentionBatch
 from specdec.models.config import ModelConfig
-from specdec.models.delta_rule import CHUNK, causal_conv, chunked, conv_state_after, recurrent_heads
+from specdec.models.delta_rule import CHUNK, causal_conv, chunked, conv_state_after, fused_on, recurrent_heads
 from specdec.models.fused import Kernels
 from specdec.models.fused_linear import FusedProjection, fuse
 from specdec.models.recurrent_state import Deferred, StateBatch
 from specdec.transfer import upload
 
-RECURRENT_MAX_TOKENS = 17  # a verify step of 16 drafts plus one; longer runs per sequence go chunked
+RECURRENT_MAX_TOKENS = 17  # a verify step of 16 drafts plus one; longer runs per sequence go chunked ...
+LONG_RUNS_IN_KERNEL = True  # ... except where the Triton kernel runs (bench/prefill.py times both forms)
 
 
 @dataclasses.dataclass
@@ -220,10 +221,11 @@ class GatedDeltaNet(nn.Module):
             real = group.real.unsqueeze(-1)  # [m, n, 1]
             k, v = k * real.unsqueeze(-1), v * real.unsqueeze(-1)
             beta, g = beta * real, g * real
-        if group.recurrent and group.kept is None:  # the slots' rows advanced (or, deferred, read) in place
+        token_by_token = group.recurrent or (LONG_RUNS_IN_KERNEL and fused_on(ssm_pool))  # one launch does it all
+        if token_by_token and group.kept is None:  # the slots' rows advanced (or, deferred, read) in place
             out, final = recurrent_heads(q, k, v.float(), g, beta, ssm_pool, slots=group.slots,
                                          store=not group.deferred)  # final None: nothing left to scatter
-        elif group.recurrent:  # only some deferred: one launch stores all its rows or none, so gather / scatter
+        elif token_by_token:  # only some deferred: one launch stores all its rows or none, so gather / scatter
             out, final = recurrent_heads(q, k, v.float(), g, beta, ssm_pool[group.slots])
         else:
             repeat = self.num_v_heads // self.num_k_heads  # value heads per key head
