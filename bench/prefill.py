@@ -4,7 +4,8 @@ step, eager and with piecewise graphs, a Gated DeltaNet's long runs in the Trito
 PyTorch form, and where the device time goes (the costliest kernels by their own
 device time, torch.profiler).  The 27B twin's team load spends about half its time in two such steps (issue 22).
 
-Each timed run prefills new prompts (fresh ids: no prefix is reused) and emits one token per prompt.
+Each timed run prefills new prompts (fresh ids: no prefix is reused) and emits --max-tokens per prompt (1: the
+prefill step alone; 2 with a speculator: its head's observe of the prompts and the first draft chain too).
 
 CPU:  python3 bench/prefill.py --device cpu --target ref-hybrid --twin "" --out /tmp/prefill.json
 GPU:  python3 bench/prefill.py --target ref-hybrid --twin qwen3.5-27b --out "$OUT/prefill-twin27b.json"
@@ -26,6 +27,7 @@ import torch  # noqa: E402
 from bench.common import environment, sync, write_json  # noqa: E402
 from specdec import LLM, SamplingParams  # noqa: E402
 from specdec.models import gated_deltanet  # noqa: E402
+from specdec.speculate import SpecConfig  # noqa: E402
 
 # name -> (EngineConfig.piecewise_graphs, a Gated DeltaNet's long runs token by token in the Triton kernel where it
 # runs, else in the chunked PyTorch form)
@@ -72,11 +74,13 @@ def kernel_table(llm: LLM, prompts: list[list[int]], params: SamplingParams, top
 def measure(variant: str, args, device: torch.device, lengths: list[int]) -> dict:
     piecewise, gated_deltanet.LONG_RUNS_IN_KERNEL = VARIANTS[variant]
     started = time.perf_counter()
-    llm = LLM(args.target, twin=args.twin or None, device=device, piecewise_graphs=piecewise,
+    speculator = SpecConfig(args.speculator, num_draft_tokens=args.num_draft_tokens, adaptive=False) \
+        if args.speculator else None
+    llm = LLM(args.target, twin=args.twin or None, device=device, piecewise_graphs=piecewise, speculator=speculator,
               max_num_seqs=len(lengths), kv_cache_tokens=args.kv_cache_tokens, max_model_len=args.max_model_len)
     built_s = time.perf_counter() - started
     vocab = min(llm.engine.model.config.vocab_size, 1000)
-    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
     llm.generate(fresh_prompts(lengths, 0, vocab), params)  # first use: warm what the start-up left cold
     seconds, steps = [], []
     for run in range(args.repeats):
@@ -108,6 +112,9 @@ def main(argv=None) -> int:
     parser.add_argument("--prompts", type=int, default=12, help="prompts arriving together")
     parser.add_argument("--tokens", type=int, default=2048, help="their tokens in all")
     parser.add_argument("--variants", default="eager,piecewise,eager-chunked", help=f"of {', '.join(VARIANTS)}")
+    parser.add_argument("--max-tokens", type=int, default=1, help="tokens emitted per prompt (1: the prefill alone)")
+    parser.add_argument("--speculator", default="", help="a speculator of the target's own (mtp), or none")
+    parser.add_argument("--num-draft-tokens", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--top", type=int, default=25, help="kernels kept from one profiled run (0: no profile)")
     parser.add_argument("--kv-cache-tokens", type=int, default=8192)
@@ -116,6 +123,8 @@ def main(argv=None) -> int:
     device = torch.device(args.device)
     lengths = prompt_lengths(args.prompts, args.tokens)
     record = {"env": environment(device), "target": f"{args.target} as {args.twin or 'itself'}",
+              "speculator": f"{args.speculator} k={args.num_draft_tokens}" if args.speculator else None,
+              "max_tokens": args.max_tokens,
               "prompt_lengths": lengths, "rows": []}
     for variant in args.variants.split(","):
         row = measure(variant, args, device, lengths)
