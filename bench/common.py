@@ -67,6 +67,12 @@ def write_json(path: str | Path, data: dict) -> None:
     print(f"wrote {path}")
 
 
+def alloc_retries(device) -> int:
+    """Times the CUDA caching allocator found no free block, freed its cache (a device-wide sync) and retried, so
+    far in this process: a step that does so near a full card pays ~10-100 ms.  0 on a CPU."""
+    return int(torch.cuda.memory_stats(device).get("num_alloc_retries", 0)) if device.type == "cuda" else 0
+
+
 def compiles() -> int:
     """Graphs torch.compile has built so far in this process (a compile inside a timed load costs ~1 s)."""
     from torch._dynamo.utils import counters

@@ -24,7 +24,7 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
-from bench.common import environment, sync, write_json  # noqa: E402
+from bench.common import alloc_retries, environment, sync, write_json  # noqa: E402
 from specdec import LLM, SamplingParams  # noqa: E402
 from specdec.models import gated_deltanet  # noqa: E402
 from specdec.speculate import SpecConfig  # noqa: E402
@@ -82,7 +82,7 @@ def measure(variant: str, args, device: torch.device, lengths: list[int]) -> dic
     vocab = min(llm.engine.model.config.vocab_size, 1000)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
     llm.generate(fresh_prompts(lengths, 0, vocab), params)  # first use: warm what the start-up left cold
-    seconds, steps = [], []
+    seconds, steps, retries = [], [], alloc_retries(device)
     for run in range(args.repeats):
         prompts = fresh_prompts(lengths, 1 + run, vocab)
         before = llm.engine.stats["steps"]
@@ -93,7 +93,8 @@ def measure(variant: str, args, device: torch.device, lengths: list[int]) -> dic
         seconds.append(time.perf_counter() - t)
         steps.append(llm.engine.stats["steps"] - before)
     row = {"variant": variant, "built_s": round(built_s, 1), "steps_per_run": steps,
-           "run_ms": [round(s * 1e3, 1) for s in seconds], "median_ms": round(sorted(seconds)[len(seconds) // 2] * 1e3, 1)}
+           "run_ms": [round(s * 1e3, 1) for s in seconds], "median_ms": round(sorted(seconds)[len(seconds) // 2] * 1e3, 1),
+           "alloc_retries": alloc_retries(device) - retries}
     if args.top:
         row["profile"] = kernel_table(llm, fresh_prompts(lengths, 99, vocab), params, args.top)
     del llm

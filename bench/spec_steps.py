@@ -39,7 +39,7 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
-from bench.common import compiles, environment, sync, triton_compiles, write_json  # noqa: E402
+from bench.common import alloc_retries, compiles, environment, sync, triton_compiles, write_json  # noqa: E402
 from specdec import LLM, SamplingParams  # noqa: E402
 from specdec.assets import heldout_prompts_path  # noqa: E402
 from specdec.speculate import SpecConfig  # noqa: E402
@@ -311,14 +311,14 @@ def measure(name: str, make, prompts: list[str], tokens: int, device: torch.devi
               for i in range(len(prompts))]
     llm.generate(prompts[:batch], params[:batch])  # warm-up
     clock.reset()
-    before, compiles_before = llm.engine.metrics(), compiles()
+    before, compiles_before, retries_before = llm.engine.metrics(), compiles(), alloc_retries(device)
     emitted, t0 = 0, time.perf_counter()
     for i in range(0, len(prompts), batch):  # `batch` at a time (1: the judge's solo load)
         emitted += sum(len(o.token_ids) for o in llm.generate(prompts[i:i + batch], params[i:i + batch]))
     seconds = time.perf_counter() - t0
     after = llm.engine.metrics()
     row = {"config": name, "built_s": built_s, "tok_s": emitted / seconds, **clock.summary(),
-           "compiles": compiles() - compiles_before,
+           "compiles": compiles() - compiles_before, "alloc_retries": alloc_retries(device) - retries_before,
            **{key: after.get(key, 0) - before.get(key, 0)
               for key in ("eager_forwards", "draft_eager_forwards", "head_eager_forwards")}}
     if profile_steps:
