@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU call for what runs ahead of the host on a speculative step (issue 21): bench/spec_steps.py at batch 1
 # with a head's observe and the next chain behind it launched before the acceptance read, the observe alone
-# (--no-chain-ahead), neither (--no-early-observe), and both with device drafts, every engine with fixed
+# (--no-chain-ahead) and neither (--no-early-observe), every engine with fixed
 # acceptance; then a table of mean and median step times per config.  Default: the Qwen3.5-27B twin with its
 # MTP head (a tree without ref-target, ref-draft and ref-head fits the device copy); the 8B twin with its
 # EAGLE-3 head: TARGET=ref-target TWIN=qwen3-8b PLAIN_CONFIGS=plain,eagle3-k5 CONFIGS=eagle3-k5 (a tree
@@ -23,7 +23,6 @@ steps() {  # steps NAME SPEC_STEPS_ARGS...: one spec_steps run, its JSON rows le
 steps ahead --configs "${PLAIN_CONFIGS:-plain,$CONFIGS}"  # the observe and the next chain ahead of the read
 steps nochain --configs "$CONFIGS" --no-chain-ahead  # the observe alone ahead
 steps late --configs "$CONFIGS" --no-early-observe  # neither (a chain runs ahead only behind an early observe)
-steps dd --configs "$CONFIGS" --device-drafts  # both ahead, the chain's drafts fed from the device
 python3 - "$OUT" <<'PY'
 import glob, json, sys
 print(f"{'run':<8} {'config':<14} {'k':>2} {'mean ms':>8} {'median':>8} {'tokens/step':>11} {'tok/s':>7}")

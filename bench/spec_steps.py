@@ -365,8 +365,6 @@ def main(argv=None) -> int:
     parser.add_argument("--temperature", type=float, default=1.0, help="the replies' temperature (0: greedy)")
     parser.add_argument("--fixed-acceptance", action=argparse.BooleanOptionalAction, default=None,
                         help="the engines' EngineConfig.fixed_acceptance (default: the engine's)")
-    parser.add_argument("--device-drafts", action=argparse.BooleanOptionalAction, default=None,
-                        help="the engines' EngineConfig.device_drafts (default: the engine's)")
     parser.add_argument("--early-observe", action=argparse.BooleanOptionalAction, default=None,
                         help="an EAGLE-3 / MTP head's observe launched before the host reads acceptance "
                              "(Eagle3Speculator.early_observe; default: the speculator's)")
@@ -384,7 +382,7 @@ def main(argv=None) -> int:
     prompts = [json.loads(line)["prompt"] for line in heldout_prompts_path().read_text().splitlines()[:args.prompts]]
     engine = dict(device=device, max_num_seqs=args.batch, kv_cache_tokens=4096 * args.batch, max_model_len=2048,
                   twin=args.target_twin or None, attention_backend=args.attention_backend,
-                  fixed_acceptance=args.fixed_acceptance, device_drafts=args.device_drafts,
+                  fixed_acceptance=args.fixed_acceptance,
                   piecewise_graphs=args.piecewise_graphs)
     draft = dict(model=args.draft, draft_twin=args.draft_twin or None)
     configs = {"plain": None, "plain-overlap": None, "plain-no-overlap": None,
@@ -409,7 +407,7 @@ def main(argv=None) -> int:
         configs[f"eagle3-tree{width}-adaptive-k{k}"] = SpecConfig("eagle3", num_draft_tokens=k, tree_width=width,
                                                                   **head)
     results = {"env": environment(device), "attention_backend": args.attention_backend or "engine default",
-               "fixed_acceptance": args.fixed_acceptance, "device_drafts": args.device_drafts,
+               "fixed_acceptance": args.fixed_acceptance,
                "piecewise_graphs": args.piecewise_graphs, "early_observe": args.early_observe, "chain_ahead": args.chain_ahead,
                "target": f"{args.target} as {args.target_twin} twin",
                "drafter": f"{args.draft} as {args.draft_twin} twin", "tokens": args.tokens, "batch": args.batch,

@@ -37,10 +37,6 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                              "(default: on with CUDA graphs, off with tensor parallelism)")
     parser.add_argument("--fixed-acceptance", action=argparse.BooleanOptionalAction, default=None,
                         help="accept decode / verify steps on their fixed shape, as CUDA graphs on a GPU (default: on)")
-    parser.add_argument("--device-drafts", action=argparse.BooleanOptionalAction, default=None,
-                        help="feed an EAGLE-3 or MTP chain's drafts to the verify step from the device, read by the "
-                             "host once that step is queued (default: off with CUDA graphs, where it saves nothing, "
-                             "on without them)")
     parser.add_argument("--overlap-steps", action=argparse.BooleanOptionalAction, default=None,
                         help="schedule and launch each plain decode step while the one before it still runs on the "
                              "device, fed its tokens from there (needs static shapes and fixed acceptance, and a "
@@ -62,7 +58,6 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 piecewise_graphs=getattr(args, "piecewise_graphs", None),
                 fixed_acceptance=getattr(args, "fixed_acceptance", None),
                 overlap_steps=getattr(args, "overlap_steps", None),
-                device_drafts=getattr(args, "device_drafts", None),
                 max_model_len=getattr(args, "max_model_len", None),
                 fused_kernels=False if getattr(args, "no_fused_kernels", False) else None,
                 attention_backend=getattr(args, "attention_backend", None),

@@ -93,15 +93,14 @@ def test_greedy_with_mtp_on_a_hybrid_target_equals_plain(target, k):
 
 
 def record_drafts(engine) -> list[list[list[int]]]:
-    """Per target forward, the drafts each sequence verifies (read once the forward is queued)."""
-    seen, forward = [], engine._forward
+    """Per target forward, the drafts each sequence verifies."""
+    seen, forward = [], engine.runner.forward
 
-    def spy(seqs):
-        logits = forward(seqs)
+    def spy(seqs, *args, **kwargs):
         seen.append([s.request.draft_token_ids[:s.num_drafts] for s in seqs])
-        return logits
+        return forward(seqs, *args, **kwargs)
 
-    engine._forward = spy
+    engine.runner.forward = spy
     return seen
 
 
@@ -207,18 +206,17 @@ def test_the_switch_off_launches_nothing_ahead(qwen3_dir, head_dir, plain):
     assert chains(llm) == (0, 0) and llm.engine.speculator.stats["head_observed_ahead"] > 0
 
 
-def test_without_device_drafts_the_host_reads_the_chains_run_ahead(qwen3_dir, head_dir, plain):
-    """device_drafts off: the verify step takes drafts from the host, which reads a chain run ahead in propose
-    (no placeholders left); greedy output stays exact, and seeded replies are those of chains drafted there."""
-    llm = static_eagle(qwen3_dir, head_dir, 3, device_drafts=False)
+def test_the_host_reads_the_chains_run_ahead_and_seeded_replies_do_not_depend_on_them(qwen3_dir, head_dir, plain):
+    """The verify step takes drafts from the host, which reads a chain run ahead in propose; greedy output stays
+    exact, and seeded replies are those of chains drafted there."""
+    llm = static_eagle(qwen3_dir, head_dir, 3)
     assert tokens(llm.generate(mixed_prompts(), GREEDY)) == plain
     launched, dropped = chains(llm)
     assert launched > dropped >= 0 and launched > 0
-    assert llm.engine.speculator.device_drafts is None
     params = [SamplingParams(max_tokens=12 + 3 * i, temperature=1.0, seed=i, ignore_eos=True) for i in range(4)]
     replies = []
     for ahead in (True, False):
-        llm = with_chain_ahead(static_eagle(qwen3_dir, head_dir, 3, device_drafts=False), ahead)
+        llm = with_chain_ahead(static_eagle(qwen3_dir, head_dir, 3), ahead)
         replies.append(tokens(llm.generate(mixed_prompts()[:4], params)))
         assert (chains(llm)[0] > 0) == ahead
     assert replies[0] == replies[1]

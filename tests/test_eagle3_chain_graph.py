@@ -53,7 +53,6 @@ def propose_once(spec, reqs, ks, step_by_step: bool, seed: int = 7):
     torch.manual_seed(seed)  # the unseeded rows' uniforms
     try:
         spec.propose(reqs, ks)
-        spec.read_drafts()  # a chain graph's drafts stay on the device until read (engine/device_drafts.py)
     finally:
         spec.step_by_step = False
     drafts = [(list(r.draft_token_ids), r.draft_probs) for r in reqs]

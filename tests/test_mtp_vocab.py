@@ -43,23 +43,15 @@ def vocab_llm(path, map_file: str, k: int, **kw) -> LLM:
 
 
 def recorded_drafts(llm: LLM) -> list[int]:
-    """Every token the speculator drafts from now on (a list that fills as the engine runs), read once the host
-    has them: a chain left on the device (engine/device_drafts.py) holds placeholders until read_drafts."""
-    spec, drafts, unread = llm.engine.speculator, [], []
-    propose, read = spec.propose, spec.read_drafts
+    """Every token the speculator drafts from now on (a list that fills as the engine runs)."""
+    spec, drafts = llm.engine.speculator, []
+    propose = spec.propose
 
     def recording(requests, ks):
         propose(requests, ks)
-        unread[:] = requests
-        if spec.device_drafts is None:
-            reading()
+        drafts.extend(t for r in requests for t in r.draft_token_ids)
 
-    def reading():
-        read()
-        drafts.extend(t for r in unread for t in r.draft_token_ids)
-        unread.clear()
-
-    spec.propose, spec.read_drafts = recording, reading
+    spec.propose = recording
     return drafts
 
 

@@ -10,7 +10,7 @@ import types
 import pytest
 
 from specdec import LLM, ConfigError, SamplingParams
-from specdec.engine.device_drafts import PLACEHOLDER
+from specdec.engine.overlap import PLACEHOLDER
 from specdec.engine.engine import Engine
 from specdec.engine.overlap import InFlight
 from specdec.engine.static_runner import StaticRunner
@@ -109,15 +109,13 @@ def test_overlap_is_on_by_default_without_cuda_graphs(qwen3_dir):
         make_llm(qwen3_dir, overlap=True, fixed_acceptance=False)
 
 
-def test_with_cuda_graphs_fixed_acceptance_and_overlap_are_on_by_default_device_drafts_off():
+def test_with_cuda_graphs_fixed_acceptance_and_overlap_are_on_by_default():
     """The defaults where the fixed-shape runner captures CUDA graphs (a GPU), as measured there: fixed acceptance
-    and overlapped steps on unless set off; device drafts off unless set on; none without the runner."""
+    and overlapped steps on unless set off; neither without the runner."""
     with_graphs = types.SimpleNamespace(runner=types.SimpleNamespace(static=types.SimpleNamespace(capture=True)))
     assert Engine._on_unless_set_off(with_graphs, None) and not Engine._on_unless_set_off(with_graphs, False)
-    assert not Engine._off_with_graphs_unless_set(with_graphs, None)
-    assert Engine._off_with_graphs_unless_set(with_graphs, True)
     no_runner = types.SimpleNamespace(runner=types.SimpleNamespace(static=None))
-    assert not Engine._on_unless_set_off(no_runner, None) and not Engine._off_with_graphs_unless_set(no_runner, True)
+    assert not Engine._on_unless_set_off(no_runner, None) and not Engine._on_unless_set_off(no_runner, True)
 
 
 def test_the_step_behind_is_fed_from_the_device(qwen3_dir, monkeypatch):
@@ -125,10 +123,10 @@ def test_the_step_behind_is_fed_from_the_device(qwen3_dir, monkeypatch):
     staged = []
     run = StaticRunner.run
 
-    def spy(self, seqs, fed_ids=None, drafts=None):
+    def spy(self, seqs, fed_ids=None):
         if fed_ids is not None:
             staged.append([s.request.output_token_ids[-1] for s in seqs])
-        return run(self, seqs, fed_ids, drafts)
+        return run(self, seqs, fed_ids)
 
     monkeypatch.setattr(StaticRunner, "run", spy)
     llm = make_llm(qwen3_dir, overlap=True)

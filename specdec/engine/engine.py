@@ -82,11 +82,6 @@ class EngineConfig:
     # on wherever those hold (docs/BENCHMARKS.md: the same tokens as without on a GPU, 2-5 % of an 8B-twin step
     # at batch 1-8); on a CPU the same path runs synchronously.
     overlap_steps: bool | None = None
-    # Drafts of a chain graph (EAGLE-3, MTP) fed to the verify step from the device (engine/device_drafts.py),
-    # read by the host once the verify forward is queued.  None: on where the steps run without CUDA graphs (how
-    # the tests check it), off with graphs (docs/BENCHMARKS.md: measured on a GPU, it saves nothing once the
-    # head's next chain runs ahead of the host's read).
-    device_drafts: bool | None = None
 
     def validate(self) -> None:
         if self.attention_backend not in (None, *ATTENTION_BACKENDS):
@@ -156,7 +151,6 @@ class Engine:
         self.runner = ModelRunner(model, self.kv_cache, self.device, self._static_runner(), self._piecewise_runner(),
                                   self.states)
         self.fixed_acceptance = self._on_unless_set_off(config.fixed_acceptance)
-        self.device_drafts = self._off_with_graphs_unless_set(config.device_drafts)
         self.overlap_steps = self._use_overlap()
         self.in_flight: InFlight | None = None  # the step left in flight (engine/overlap.py), or None
         self.finished_early: list[Request] = []  # finished at a commit outside step(), for the next step() to return
@@ -189,12 +183,6 @@ class Engine:
     def _on_unless_set_off(self, setting: bool | None) -> bool:
         """A fixed-shape runner's option measured to pay on a GPU: as set, else (None) on; off without the runner."""
         return self.runner.static is not None and setting is not False
-
-    def _off_with_graphs_unless_set(self, setting: bool | None) -> bool:
-        """A fixed-shape runner's option that does not pay with CUDA graphs: as set, else (None) on where its steps
-        run without graphs (how the tests check it) and off with graphs; off without the fixed-shape runner."""
-        static = self.runner.static
-        return static is not None and (setting if setting is not None else not static.capture)
 
     def _use_overlap(self) -> bool:
         setting = self.config.overlap_steps
@@ -320,11 +308,9 @@ class Engine:
         for req in finished:
             self._on_finished(req)
         if not seqs:
-            if self.speculator is not None:
-                self.speculator.read_drafts()  # no step to feed them to
             return finished
         starts = [s.request.num_computed for s in seqs]
-        logits = self._forward(seqs)  # per seq [1 + drafts, V] or empty
+        logits = self.runner.forward(seqs)  # per seq [1 + drafts, V] or empty
         if self.overlap_steps and self.speculation is None and self.runner.static_step and plain_decode(seqs):
             self.in_flight = InFlight(seqs, logits, self.runner.static.launch_accept(seqs), started, overlapped=False)
             return finished
@@ -375,7 +361,7 @@ class Engine:
         if self.speculation is not None or not schedules_alike(self.scheduler, reqs):
             return None
         hold_pending(reqs)
-        if not self.runner.takes_device_drafts([ScheduledSeq(r, 1, 0, samples=True) for r in reqs]):
+        if not self.runner.takes_static([ScheduledSeq(r, 1, 0, samples=True) for r in reqs]):
             for req in reqs:
                 release_pending(req)
             return None
@@ -431,21 +417,6 @@ class Engine:
             with torch.inference_mode():
                 self.finished_early += self._complete(flight)
 
-    def _forward(self, seqs: list[ScheduledSeq]) -> list[torch.Tensor]:
-        """The target's forward of the step.  Drafts a speculator left on the device (engine/device_drafts.py)
-        are fed from there where the fixed-shape runner takes the step, and read by the host only once the
-        forward is queued behind them: the host stages the step while the device still drafts.  Elsewhere the
-        host reads them first."""
-        speculator = self.speculator
-        drafts = speculator.device_drafts if speculator is not None else None
-        if drafts is not None and not self.runner.takes_device_drafts(seqs):
-            speculator.read_drafts()
-            drafts = None
-        logits = self.runner.forward(seqs, drafts=drafts)
-        if drafts is not None:
-            speculator.read_drafts()
-        return logits
-
     def set_speculator(self, speculator, controller) -> None:
         """Speculate from now on with this speculator, k chosen by this controller (speculate/build.py).  A
         speculator that reads the target's hidden states has the target capture them from here on."""
@@ -454,7 +425,6 @@ class Engine:
         self.drain()  # a speculator's steps start from committed tokens
         self.speculation = Speculation(speculator, controller, self.max_model_len,
                                        self.config.max_num_batched_tokens)
-        speculator.defer_reads = self.device_drafts  # its steps feed drafts from the device (engine/device_drafts.py)
         if speculator.tree_nodes(2) > 2:  # it drafts trees
             if self.states is not None:
                 raise ConfigError("draft trees do not run on hybrid models (Qwen3.5): their linear layers read the "

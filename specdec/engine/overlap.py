@@ -3,10 +3,9 @@
 Without overlap a step ends by reading its sampled tokens to the host (a full sync) and committing them, and
 only then is the next step scheduled, staged and launched: the device idles for all of that host work.  Here a
 plain decode step is left in flight instead, its tokens still on the device.  The next Engine.step() gives
-each of its requests one pending output token, a placeholder (device_drafts.PLACEHOLDER, as for drafts the
-host has not read), schedules step N+1 with it, stages it (the placeholder as the fed id) and launches it with
-the real tokens copied over the staged ids on the device from step N's sampled tokens (the fixed-shape
-runner's fed_ids).  Only then does the host read step N's tokens (waiting for step N's copy back, not for
+each of its requests one pending output token, a placeholder (PLACEHOLDER), schedules step N+1 with it,
+stages it (the placeholder as the fed id) and launches it with the real tokens copied over the staged ids on
+the device from step N's sampled tokens (the fixed-shape runner's fed_ids).  Only then does the host read step N's tokens (waiting for step N's copy back, not for
 N+1) and commit them: each placeholder gives way to its token and Engine._commit runs as without overlap.
 
 Which steps: every sequence a plain decode (one fed token, no drafts, samples, no logprobs), on the fixed-shape
@@ -32,11 +31,12 @@ import dataclasses
 
 import torch
 
-from specdec.engine.device_drafts import PLACEHOLDER
 from specdec.engine.fixed_acceptance import Launched
 from specdec.engine.request import Request
 from specdec.engine.scheduler import ScheduledSeq, Scheduler
 from specdec.transfer import upload
+
+PLACEHOLDER = -1  # a pending token's id until the host reads it: out of range, so a premature read fails loudly
 
 
 @dataclasses.dataclass

@@ -5,7 +5,6 @@ from __future__ import annotations
 import torch
 
 from specdec.draft_tree import ancestor_mask, depths
-from specdec.engine.device_drafts import DeviceDrafts
 from specdec.engine.kv_cache import KVCache, slot_of
 from specdec.engine.scheduler import ScheduledSeq
 from specdec.models.attention import AttentionBatch
@@ -34,13 +33,12 @@ class ModelRunner:
         row = self.feature_rows[seq_index]
         return self.model.features[row:row + count]
 
-    def takes_device_drafts(self, seqs: list[ScheduledSeq]) -> bool:
-        """Whether forward(seqs) can feed drafts still on the device (the fixed-shape runner's steps)."""
+    def takes_static(self, seqs: list[ScheduledSeq]) -> bool:
+        """Whether the fixed-shape runner takes forward(seqs) (a step whose inputs it can take from the device)."""
         return self.static is not None and self.static.can_run(seqs)
 
     @torch.inference_mode()
-    def forward(self, seqs: list[ScheduledSeq], fed_ids: torch.Tensor | None = None,
-                drafts: DeviceDrafts | None = None) -> list[torch.Tensor]:
+    def forward(self, seqs: list[ScheduledSeq], fed_ids: torch.Tensor | None = None) -> list[torch.Tensor]:
         """Logits [1 + num_drafts, V] for each sequence that samples this step, else an empty tensor.
 
         For a sampling sequence the rows are the target's predictions after its last committed token
@@ -48,18 +46,15 @@ class ModelRunner:
 
         fed_ids [len(seqs)] (a device tensor), for steps where every sequence feeds one token: the tokens to
         feed, in place of the request's stored ones (a drafter's chain feeds back the draft it just drew
-        without waiting for the host to read it).  drafts: the drafts still on the device, whose placeholders
-        the requests hold (engine/device_drafts.py); only where takes_device_drafts(seqs).
+        without waiting for the host to read it).
         """
         if fed_ids is not None and any(s.num_new != 1 for s in seqs):
             raise ValueError("fed_ids needs every sequence to feed exactly one token")
-        self.static_step = self.takes_device_drafts(seqs)
+        self.static_step = self.takes_static(seqs)
         if self.static_step:
-            logits = self.static.run(seqs, fed_ids, drafts)
+            logits = self.static.run(seqs, fed_ids)
             self.feature_rows = self.static.row_starts
             return logits
-        if drafts is not None:
-            raise ValueError("drafts on the device need a step the fixed-shape runner takes: read them first")
         self.eager_forwards += 1
         ids, positions, slots, starts, ctx, logits_rows, counts = [], [], [], [0], [], [], []
         for seq in seqs:

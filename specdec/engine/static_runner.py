@@ -30,7 +30,6 @@ import bisect
 import numpy as np
 import torch
 
-from specdec.engine.device_drafts import DeviceDrafts, draft_positions
 from specdec.engine.fixed_acceptance import FixedAcceptance
 from specdec.engine.graph_warm_up import warm_up
 from specdec.engine.kv_cache import KVCache
@@ -38,7 +37,6 @@ from specdec.engine.runner import fed_offsets, tree_mask_rows
 from specdec.engine.scheduler import ScheduledSeq
 from specdec.models.attention import AttentionBatch
 from specdec.models.transformer import CausalLM
-from specdec.transfer import upload
 
 
 STAGING_RING = 8  # host staging buffers a runner's consecutive steps take in turn
@@ -148,19 +146,15 @@ class StaticRunner:
         return batch <= self.max_batch and q <= self.max_q and context <= self.max_context
 
     @torch.inference_mode()
-    def run(self, seqs: list[ScheduledSeq], fed_ids: torch.Tensor | None = None,
-            drafts: DeviceDrafts | None = None) -> list[torch.Tensor]:
+    def run(self, seqs: list[ScheduledSeq], fed_ids: torch.Tensor | None = None) -> list[torch.Tensor]:
         """Logits [q, V] per sequence (rows as in ModelRunner.forward); on a GPU they are views of the shared
-        buffer, valid until this runner's next step.  fed_ids, drafts: see ModelRunner.forward (with fed_ids,
-        q is 1).  Either is copied over the staged ids on the device, after the upload."""
+        buffer, valid until this runner's next step.  fed_ids: see ModelRunner.forward (q is 1 then), copied
+        over the staged ids on the device, after the upload."""
         batch, q, context = self.shape_of(seqs)
         self._fill(seqs, q, batch, context)
         ids = _input_views(self.inputs, batch, q, self._columns(context))[0]  # [batch * q]
         if fed_ids is not None:  # one token per sequence: row i is sequence i
             ids[:len(seqs)].copy_(fed_ids)
-        if drafts is not None:
-            step_rows, token_rows, token_cols = upload(draft_positions(seqs, drafts.rows, q), self.device)
-            ids[step_rows] = drafts.tokens[token_rows, token_cols]
         logits = self._forward(batch, q, context)  # [batch * q, V]
         self.step = (batch, q, logits)
         self.row_starts = [i * q for i in range(len(seqs))]  # sequence i's rows: i * q ..

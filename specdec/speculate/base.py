@@ -16,15 +16,6 @@ class Speculator:
     name = "none"
     has_draft_model = False  # whether proposing costs forward passes of a drafter (for the cost model)
     feature_layers: tuple[int, ...] = ()  # target layers whose states observe() reads (models.transformer)
-    # The engine sets defer_reads when its fixed-shape runner can feed drafts straight from the device; a
-    # speculator that supports it then leaves them there (device_drafts, engine/device_drafts.py: the last
-    # propose's drafts, not yet read by the host) until read_drafts.
-    defer_reads = False
-    device_drafts = None
-
-    def read_drafts(self) -> None:
-        """Read device_drafts into the requests' draft_token_ids (a speculator that leaves drafts on the
-        device: speculate/eagle3.py); a no-op for the rest."""
 
     def propose(self, requests: list[Request], ks: list[int]) -> None:
         raise NotImplementedError

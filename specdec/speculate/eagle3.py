@@ -45,7 +45,7 @@ from __future__ import annotations
 import torch
 
 from specdec.draft_tree import spine_and_siblings
-from specdec.engine.device_drafts import PLACEHOLDER, DeviceDrafts
+from specdec.engine.device_drafts import DeviceDrafts
 from specdec.engine.kv_cache import BlockManager, KVCache, slot_of
 from specdec.engine.request import Request
 from specdec.engine.runner import flat_attention_batch
@@ -105,7 +105,6 @@ class Eagle3Speculator(HeadAhead, Speculator):
                                             max_context=max_context, capture=cuda_graphs,
                                             target_ids=self.target_ids, pool=self.graphs.pool)
         self.step_by_step = False  # True: chains take the step-by-step path even where a chain graph fits
-        self._unread: list[tuple[int, list[int]]] = []  # (row of device_drafts, the placeholder list it fills)
         self.observe_logits_always = False  # True: observes compute logits even after a step without drafts
         self._init_ahead()  # what runs ahead of the host (speculate/head_ahead.py)
         self.runner = HeadCostRunner(self)
@@ -168,7 +167,6 @@ class Eagle3Speculator(HeadAhead, Speculator):
         """Each request's chain of up to ks[i] drafts.  Where propose_ahead launched this step's chains already
         and they are the chains planned here, they are handed out instead of drafted again; otherwise they are
         dropped (drop_ahead) and the chains drafted here."""
-        self.read_drafts()  # (the engine has read them already: this only guards against a stale chain)
         active = []
         for req, k in zip(requests, ks):
             req.clear_drafts()
@@ -248,27 +246,10 @@ class Eagle3Speculator(HeadAhead, Speculator):
         self._give_chains(active, drafts, q_rows)
 
     def _give_chains(self, active, drafts: DeviceDrafts, q_rows) -> None:
-        """Give each request its chain of a chain graph's drafts (drafts.rows: request id -> its row): with
-        defer_reads placeholders, the runner feeding the tokens from the device and read_drafts filling them;
-        else the tokens, read now (the one host sync, on the copy queued behind the chains)."""
-        rows = drafts.rows
-        if self.defer_reads:
-            self._give(active, [[[PLACEHOLDER]] * k for _, k in active], q_rows)
-            self.device_drafts = drafts
-            self._unread = [(rows[req.request_id], req.draft_token_ids) for req, _ in active]
-            return
-        tokens = drafts.read()  # [B, depth]
+        """Give each request its chain of a chain graph's drafts (drafts.rows: request id -> its row), read now
+        (the one host sync, on their copy queued behind the chains)."""
+        rows, tokens = drafts.rows, drafts.read()  # [B, depth]
         self._give(active, [[[t] for t in tokens[rows[req.request_id]][:k]] for req, k in active], q_rows)
-
-    def read_drafts(self) -> None:
-        """The chain's tokens into the placeholder lists it handed out (the one host sync).  A request whose
-        drafts were cleared since holds a new list, so its old placeholders are filled unseen."""
-        if self.device_drafts is None:
-            return
-        rows = self.device_drafts.read()  # [B, depth]
-        for row, placeholders in self._unread:
-            placeholders[:] = rows[row][:len(placeholders)]
-        self.device_drafts, self._unread = None, []
 
     def _chain_uniforms(self, active: list[tuple[Request, int]]) -> torch.Tensor | None:
         """[B, k_max, m] the uniforms of every draw of the chain (m = tree_width draws a depth, one uniform each),

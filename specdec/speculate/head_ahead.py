@@ -20,8 +20,8 @@ next num_tokens - 1 = start + accepted + 1, is known only on the device: the cha
 was kept, at start + 1, and shifted there by num_accepted (ChainGraphs.shift_staged: positions, context
 lengths and the real rows' slots from the block tables).  In the example: staged at 10, shifted by 2 to 12.
 k, the shape bucket and the target's blocks are those of the worst case, every draft kept.  The next `propose`
-hands the chain out where it plans exactly the same chains (with device drafts placeholders, the tokens fed to
-the verify step from the device; without, the tokens, read by then), and otherwise drops it, giving a seeded
+hands the chain out where it plans exactly the same chains (its tokens, whose copy to the host ran during the
+commit), and otherwise drops it, giving a seeded
 request's head generator back its draws, so that seeded replies do not depend on it.  Only where the next
 step is sure to decode the same requests (Speculation._ahead_ks) and `chain_ahead` is on.
 """
@@ -222,7 +222,7 @@ class HeadAhead:
         if {rid: k for rid, k in launched.ks.items() if rid in live} != {req.request_id: k for req, k in active}:
             return False
         self._chain_launched = None
-        # without defer_reads the tokens are read now: their copy, queued behind the chains, ran during the commit
+        # the tokens are read now: their copy, queued behind the chains, ran during the commit
         self._give_chains(active, launched.drafts,
                           iter([launched.q[req.request_id] for req, _ in active if not req.params.greedy]))
         return True
