@@ -16,12 +16,13 @@ STAGE_MIN_S=20 STAGE_TAIL=${STAGE_TAIL:-25}
 source "$(dirname "$0")/stage.sh"
 TWIN=${TWIN:-qwen3.5-27b}
 SERVE="python3 -m specdec.cli serve ref-hybrid --twin $TWIN --device cuda --max-num-seqs ${MAX_SEQS:-24} \
-  --kv-cache-tokens ${KV_TOKENS:-4096} --max-model-len 2048 ${SERVE_EXTRA}"  # e.g. SERVE_EXTRA=--piecewise-graphs
+  --kv-cache-tokens ${KV_TOKENS:-4096} --max-model-len 2048 ${SERVE_EXTRA}"  # both; CAND_EXTRA: the candidate's only
+# (e.g. CAND_EXTRA="--draft-vocab-size 32768": the MTP head's LM head over 32,768 rows, not 248,320)
 [ "${STEPS:-1}" = 1 ] && stage specsteps ${STEPS_STAGE_S:-170} python3 bench/spec_steps.py --target ref-hybrid \
   --target-twin "$TWIN" --configs ${STEPS_CONFIGS:-plain,mtp-k1,mtp-k2} --prompts ${STEPS_PROMPTS:-3} --tokens 48 \
   --profile-steps ${PROFILE_STEPS:-8} --out "$OUT/spec-steps-twin27b-mtp.json"
 stage judge ${JUDGE_STAGE_S:-450} python3 -m specdec.cli judge --stock "$SERVE" \
-  --candidate "$SERVE --speculator mtp --num-draft-tokens ${MTP_K:-1}" --layout alternate \
+  --candidate "$SERVE --speculator mtp --num-draft-tokens ${MTP_K:-1} ${CAND_EXTRA}" --layout alternate \
   ${JUDGE_SIZES:---num-prompts 8 --max-tokens 48 --concurrency 16 --busy-max-tokens 64 --gate-prompts 8} --passes 3 \
   --request-timeout 120 --startup-timeout 240 --quiet --out "$OUT/judge-twin27b-mtp" \
   --title "ref-hybrid as qwen3.5-27b twin, its MTP head (k=${MTP_K:-1})"

@@ -132,6 +132,9 @@ def test_record_has_the_specified_keys_and_types(normal):
     assert set(record["limits"]) >= {"greedy_agreement_floor", "likelihood_bound", "argmax_bound",
                                      "fidelity_ceiling", "length_margin", "memory_slack_mib"}
     assert record["workloads"]["busy"]["kv_use"]["stock"] >= 0.9
+    for name, load in record["workloads"].items():  # reported by the candidate alone, over the timed passes
+        assert load["eager_forwards"] == {"stock": None, "candidate": 3 * load["requests"]}, name
+        assert load["engine_steps"]["stock"] is None and load["engine_steps"]["candidate"] >= load["requests"]
     assert [e["exit_codes"] for e in record["engines"].values()] == [[0], [0]]
 
 

@@ -209,6 +209,10 @@ def find_metric(values: dict[str, float], patterns: Sequence[str]) -> float | No
 ACCEPTED = ("accepted_tokens",)
 DRAFTED = ("draft_tokens",)
 VERIFY_STEPS = ("verify_steps", "num_drafts", "drafts_total")
+# what an engine of this project also reports per workload, where it has them: its steps, and of those the
+# forwards outside its CUDA graphs (prefill and mixed steps: the costly ones)
+ENGINE_STEPS = ("engine_steps",)
+EAGER_FORWARDS = ("eager_forwards",)
 KV_USE = ("kv_cache_usage", "kv_usage", "cache_usage_perc", "kv_cache_utilization")
 # an engine's own report of its memory, for engines the judge did not start: device memory first
 ENGINE_MEMORY_BYTES = ('peak_memory_bytes{kind="device"', 'peak_memory_bytes{kind="rss"',
