@@ -133,8 +133,10 @@ def test_record_has_the_specified_keys_and_types(normal):
                                      "fidelity_ceiling", "length_margin", "memory_slack_mib"}
     assert record["workloads"]["busy"]["kv_use"]["stock"] >= 0.9
     for name, load in record["workloads"].items():  # reported by the candidate alone, over the timed passes
-        assert load["eager_forwards"] == {"stock": None, "candidate": 3 * load["requests"]}, name
-        assert load["engine_steps"]["stock"] is None and load["engine_steps"]["candidate"] >= load["requests"]
+        steps = load["engine_steps"]
+        assert steps["eager_steps"] == {"stock": None, "candidate": 3 * load["requests"]}, name
+        assert steps["engine_steps"]["stock"] is None and steps["engine_steps"]["candidate"] >= load["requests"]
+        assert steps["step_seconds"] == steps["eager_step_seconds"] == {"stock": None, "candidate": None}
     assert [e["exit_codes"] for e in record["engines"].values()] == [[0], [0]]
 
 

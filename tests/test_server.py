@@ -242,6 +242,10 @@ def test_metrics_count_requests_and_tokens(server, client):
     assert after[("specdec_peak_memory_bytes", (("kind", "rss"),))] > 0
     assert ("specdec_spec_accepted_per_position_total", (("position", "0"),)) in after
     assert after[("specdec_engine_steps_total", ())] > before[("specdec_engine_steps_total", ())]
+    seconds, eager = (after[(f"specdec_engine_{name}_total", ())] - before[(f"specdec_engine_{name}_total", ())]
+                      for name in ("step_seconds", "eager_step_seconds"))
+    assert 0 < eager <= seconds  # on the CPU every step is eager (no fixed-shape runner)
+    assert after[("specdec_engine_eager_steps_total", ())] == after[("specdec_engine_steps_total", ())]
 
 
 BAD_REQUESTS = [  # (endpoint, body, status, param)

@@ -165,7 +165,10 @@ class Engine:
         self.speculation = None  # speculate.speculation.Speculation: everything speculative, one object
         self.detokenize = detokenize  # ids -> text, needed for stop strings
         self.stats = {"steps": 0, "tokens_fed": 0, "tokens_emitted": 0, "drafts": 0, "draft_tokens": 0,
-                      "accepted_tokens": 0, "verify_steps": 0, "overlapped_steps": 0}
+                      "accepted_tokens": 0, "verify_steps": 0, "overlapped_steps": 0,
+                      # committed steps' seconds (from their start, or the last commit, to their commit), and of
+                      # those the steps with an eager forward: where a load's time goes
+                      "step_seconds": 0.0, "eager_steps": 0, "eager_step_seconds": 0.0}
         self.accepted_per_position = [0] * 33  # [j]: drafts accepted at position j (0-based)
         # a list to record every step in (a StepRecord each; benches set it for a window, None: not recorded)
         self.trace: list[StepRecord] | None = None
@@ -343,6 +346,10 @@ class Engine:
         fed = sum(s.num_new for s in seqs)
         self.stats["steps"] += 1
         self.stats["tokens_fed"] += fed
+        self.stats["step_seconds"] += seconds
+        if eager:
+            self.stats["eager_steps"] += 1
+            self.stats["eager_step_seconds"] += seconds
         if self.admission is not None:
             self.admission.observe_step(eager, seconds)
         if self.trace is not None:

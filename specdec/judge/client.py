@@ -209,10 +209,14 @@ def find_metric(values: dict[str, float], patterns: Sequence[str]) -> float | No
 ACCEPTED = ("accepted_tokens",)
 DRAFTED = ("draft_tokens",)
 VERIFY_STEPS = ("verify_steps", "num_drafts", "drafts_total")
-# what an engine of this project also reports per workload, where it has them: its steps, and of those the
-# forwards outside its CUDA graphs (prefill and mixed steps: the costly ones)
+# what an engine of this project also reports, where it has them: its steps and their seconds, and of those the
+# steps outside its CUDA graphs (prefill and mixed steps: the costly ones)
 ENGINE_STEPS = ("engine_steps",)
-EAGER_FORWARDS = ("eager_forwards",)
+ENGINE_STEP_SECONDS = ("engine_step_seconds",)
+EAGER_STEPS = ("engine_eager_steps",)
+EAGER_STEP_SECONDS = ("engine_eager_step_seconds",)
+STEP_COUNTERS = {"engine_steps": ENGINE_STEPS, "step_seconds": ENGINE_STEP_SECONDS, "eager_steps": EAGER_STEPS,
+                 "eager_step_seconds": EAGER_STEP_SECONDS}
 KV_USE = ("kv_cache_usage", "kv_usage", "cache_usage_perc", "kv_cache_utilization")
 # an engine's own report of its memory, for engines the judge did not start: device memory first
 ENGINE_MEMORY_BYTES = ('peak_memory_bytes{kind="device"', 'peak_memory_bytes{kind="rss"',

@@ -19,7 +19,7 @@ from pathlib import Path
 import httpx
 
 from specdec.judge import gates, stats
-from specdec.judge.client import (ACCEPTED, DRAFTED, EAGER_FORWARDS, ENGINE_STEPS, VERIFY_STEPS, EngineApi, NoLogprobs, RequestError,
+from specdec.judge.client import (ACCEPTED, DRAFTED, STEP_COUNTERS, VERIFY_STEPS, EngineApi, NoLogprobs, RequestError,
                                   fetch_metrics, fetch_metrics_sync, find_metric, http_get, kv_use, run_batch)
 from specdec.judge.config import JudgeConfig, load_prompts
 from specdec.judge.engines import Engine, JudgeFailure, gpu_visible, nvml
@@ -68,7 +68,7 @@ class Judge:
         self.speeds = {r: {w: {} for w in workloads} for r in ROLES}  # pass number -> tokens/s
         self.lengths = {r: {w: {} for w in workloads} for r in ROLES}  # pass number -> reply lengths
         self.counters = {r: {w: {"accepted": 0.0, "drafted": 0.0, "steps": 0.0, "tokens": 0, "seen": False,
-                                 "engine_steps": None, "eager_forwards": None} for w in workloads} for r in ROLES}
+                                 **dict.fromkeys(STEP_COUNTERS)} for w in workloads} for r in ROLES}
         self.kv_peak: dict[str, dict[str, float | None]] = {r: {w: None for w in workloads} for r in ROLES}
         self.sampled = {r: {} for r in ROLES}  # pass number -> (prompts, replies) of the first workload
         self.greedy: dict[str, list] = {}
@@ -222,8 +222,8 @@ class Judge:
         if values is None:
             return None
         return {"accepted": find_metric(values, ACCEPTED), "drafted": find_metric(values, DRAFTED),
-                "steps": find_metric(values, VERIFY_STEPS), "engine_steps": find_metric(values, ENGINE_STEPS),
-                "eager_forwards": find_metric(values, EAGER_FORWARDS)}
+                "steps": find_metric(values, VERIFY_STEPS),
+                **{key: find_metric(values, patterns) for key, patterns in STEP_COUNTERS.items()}}
 
     def add_counters(self, role, workload, before, after, tokens) -> None:
         total = self.counters[role][workload]
@@ -234,7 +234,7 @@ class Judge:
             if before[key] is not None and after[key] is not None:
                 total[key] += after[key] - before[key]
                 total["seen"] = True
-        for key in ("engine_steps", "eager_forwards"):  # None where the engine does not report them
+        for key in STEP_COUNTERS:  # None where the engine does not report them
             if before[key] is not None and after[key] is not None:
                 total[key] = (total[key] or 0) + after[key] - before[key]
 
@@ -447,9 +447,9 @@ class Judge:
                 "candidate_tps": [self.speeds["candidate"][w][i] for i in sorted(self.speeds["candidate"][w])],
                 "kv_use": {r: self.kv_peak[r][w] for r in ROLES},
                 "acceptance_rate": rate["accepted"] / rate["drafted"] if rate["drafted"] > 0 else None,
-                # each engine's steps over the workload's timed passes, and of those its eager forwards
-                "engine_steps": {r: self.counters[r][w]["engine_steps"] for r in ROLES},
-                "eager_forwards": {r: self.counters[r][w]["eager_forwards"] for r in ROLES},
+                # each engine's steps over the workload's timed passes and their seconds, and of those its eager
+                # steps (where an engine reports them: this project's do)
+                "engine_steps": {key: {r: self.counters[r][w][key] for r in ROLES} for key in STEP_COUNTERS},
             }
         return {
             "title": c.title or self.title(),

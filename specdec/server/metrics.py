@@ -10,6 +10,9 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0
 # engine.metrics() key -> (metric name without the specdec_ prefix, help)
 ENGINE_COUNTERS = {
     "steps": ("engine_steps", "Engine steps run"),
+    "step_seconds": ("engine_step_seconds", "Seconds of engine steps, each from its start to its commit"),
+    "eager_steps": ("engine_eager_steps", "Engine steps with a forward outside the fixed-shape (CUDA graph) path"),
+    "eager_step_seconds": ("engine_eager_step_seconds", "Seconds of those eager engine steps"),
     "overlapped_steps": ("engine_overlapped_steps", "Engine steps scheduled and launched while the step before "
                                                     "them still ran on the device"),
     "drafts": ("spec_drafts", "Verify steps of a request that carried at least one draft token"),

@@ -92,8 +92,8 @@ class Fake:
         self.kv_in_use = 0
         self.kv_recent: list[tuple[float, int]] = []  # (time, tokens in use) over the last KV_WINDOW_S
         self.requests = 0
-        # a speculating fake also reports engine steps, and one eager forward (its prefill) per request
-        self.counters = {"draft_tokens": 0, "accepted_tokens": 0, "drafts": 0, "engine_steps": 0, "eager_forwards": 0}
+        # a speculating fake also reports engine steps, and one eager step (its prefill) per request
+        self.counters = {"draft_tokens": 0, "accepted_tokens": 0, "drafts": 0, "engine_steps": 0, "engine_eager_steps": 0}
         self.hog = bytearray(os.urandom(1)) * (args.hog_mib * 1024 * 1024) if args.mode == "hog" else None
         if args.gpu_mib:  # hold GPU memory, for the judge's NVML measurement
             import torch
@@ -189,7 +189,7 @@ class Fake:
             self.counters["accepted_tokens"] += n_out - steps
             self.counters["draft_tokens"] += 4 * steps
             self.counters["engine_steps"] += steps
-            self.counters["eager_forwards"] += 1
+            self.counters["engine_eager_steps"] += 1
 
     def metrics(self) -> str:
         lines = [f"fake_kv_cache_usage_perc {self.kv_usage()}"]
