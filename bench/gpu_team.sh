@@ -23,5 +23,6 @@ stage steps ${STEPS_STAGE_S:-170} python3 bench/spec_steps.py --target ref-hybri
   --prompts 16 --tokens 48 --configs ${STEPS_CONFIGS:-plain,mtp-k2,mtp-k2-v32k} --profile-steps ${PROFILE_STEPS:-4} \
   --out "$OUT/spec-steps-bs16-twin27b-mtp-$TAG.json"
 [ "${JUDGE:-1}" = 1 ] && MTP_K=2 STEPS=0 KERNEL=0 CAND_EXTRA="${CAND_EXTRA---draft-vocab-size 32768}" \
-  JUDGE_STAGE_S=$((LIMIT - SECONDS - 15)) ALL_LIMIT_S=$((LIMIT - SECONDS)) bash "$(dirname "$0")/gpu_hybrid_judge.sh" "$OUT"
+  JUDGE_STAGE_S=$((LIMIT - SECONDS - 15)) ALL_LIMIT_S=$((LIMIT - SECONDS)) \
+  bash "$(dirname "$0")/gpu_hybrid_judge.sh" "$OUT"
 ls -la "$OUT"

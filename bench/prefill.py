@@ -1,8 +1,7 @@
 #!/usr/bin/env python3
 """Prefill steps of a team-like batch (several prompts of ragged lengths arriving together): wall time per
 step, eager and with piecewise graphs, a Gated DeltaNet's long runs in the Triton kernel or in the chunked
-PyTorch form, and where the device time goes (the costliest kernels by their own
-device time, torch.profiler).  The 27B twin's team load spends about half its time in two such steps (issue 22).
+PyTorch form, and where the device time goes (the costliest kernels by their own device time, torch.profiler).  The 27B twin's team load spends about half its time in two such steps (issue 22).
 
 Each timed run prefills new prompts (fresh ids: no prefix is reused) and emits --max-tokens per prompt (1: the
 prefill step alone; 2 with a speculator: its head's observe of the prompts and the first draft chain too).
@@ -93,7 +92,8 @@ def measure(variant: str, args, device: torch.device, lengths: list[int]) -> dic
         seconds.append(time.perf_counter() - t)
         steps.append(llm.engine.stats["steps"] - before)
     row = {"variant": variant, "built_s": round(built_s, 1), "steps_per_run": steps,
-           "run_ms": [round(s * 1e3, 1) for s in seconds], "median_ms": round(sorted(seconds)[len(seconds) // 2] * 1e3, 1),
+           "run_ms": [round(s * 1e3, 1) for s in seconds],
+           "median_ms": round(sorted(seconds)[len(seconds) // 2] * 1e3, 1),
            "alloc_retries": alloc_retries(device) - retries}
     if args.top:
         row["profile"] = kernel_table(llm, fresh_prompts(lengths, 99, vocab), params, args.top)

@@ -5,8 +5,9 @@ only then is the next step scheduled, staged and launched: the device idles for 
 plain decode step is left in flight instead, its tokens still on the device.  The next Engine.step() gives
 each of its requests one pending output token, a placeholder (PLACEHOLDER), schedules step N+1 with it,
 stages it (the placeholder as the fed id) and launches it with the real tokens copied over the staged ids on
-the device from step N's sampled tokens (the fixed-shape runner's fed_ids).  Only then does the host read step N's tokens (waiting for step N's copy back, not for
-N+1) and commit them: each placeholder gives way to its token and Engine._commit runs as without overlap.
+the device from step N's sampled tokens (the fixed-shape runner's fed_ids).  Only then does the host read step
+N's tokens (waiting for step N's copy back, not for N+1) and commit them: each placeholder gives way to its
+token and Engine._commit runs as without overlap.
 
 Which steps: every sequence a plain decode (one fed token, no drafts, samples, no logprobs), on the fixed-shape
 runner, accepted there (engine/fixed_acceptance.py: the tokens are made on the device), no speculator, not a
