@@ -28,8 +28,8 @@ from specdec import LLM, SamplingParams  # noqa: E402
 from specdec.models import gated_deltanet  # noqa: E402
 from specdec.speculate import SpecConfig  # noqa: E402
 
-# name -> (EngineConfig.piecewise_graphs, a Gated DeltaNet's long runs token by token in the Triton kernel where it
-# runs, else in the chunked PyTorch form)
+# name -> (EngineConfig.piecewise_graphs, gated_deltanet.RAGGED_IN_KERNEL: a step's sequences laid end to end in one
+# launch of the Triton kernel where it runs, else padded groups, the long ones in the chunked PyTorch form)
 VARIANTS = {"eager": (False, True), "piecewise": (True, True), "eager-chunked": (False, False),
             "piecewise-chunked": (True, False)}
 
@@ -71,7 +71,7 @@ def kernel_table(llm: LLM, prompts: list[list[int]], params: SamplingParams, top
 
 
 def measure(variant: str, args, device: torch.device, lengths: list[int]) -> dict:
-    piecewise, gated_deltanet.LONG_RUNS_IN_KERNEL = VARIANTS[variant]
+    piecewise, gated_deltanet.RAGGED_IN_KERNEL = VARIANTS[variant]
     started = time.perf_counter()
     speculator = SpecConfig(args.speculator, num_draft_tokens=args.num_draft_tokens, adaptive=False) \
         if args.speculator else None
@@ -135,7 +135,7 @@ def main(argv=None) -> int:
         for kernel in row.get("profile", {}).get("top", [])[:12]:
             print(f"   {kernel['ms']:9.3f} ms {kernel['calls']:6d}x  {kernel['name']}", flush=True)
         write_json(args.out, record)
-    gated_deltanet.LONG_RUNS_IN_KERNEL = True
+    gated_deltanet.RAGGED_IN_KERNEL = True
     return 0
 
 

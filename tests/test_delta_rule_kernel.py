@@ -28,7 +28,7 @@ kernel = kernel_module("specdec.kernels.delta_rule")  # None outside the child
 @parent_only
 def test_kernel_cases_under_the_interpreter():
     """This file's kernel cases, in a child process started with TRITON_INTERPRET=1."""
-    run_child(__file__, min_passed=30, parent_tests=7)  # this one, the GPU case and the 5 compile cases
+    run_child(__file__, min_passed=34, parent_tests=8)  # this one, the GPU case and the 6 compile cases
 
 
 def make_case(batch, tokens, key_heads, repeat, dk, dv, seed=0):
@@ -227,6 +227,29 @@ def test_runs_longer_than_the_compiled_counts_read_their_length_at_run_time(monk
 
 
 @child_only
+@pytest.mark.parametrize("counts", [[3, 1, 2], [20, 1], [1], [5, 18, 2, 7]])
+def test_ragged_sequences_laid_end_to_end_each_equal_the_recurrent_form(counts):
+    """The ragged mode: each sequence's rows of the flat inputs give its own recurrent form's outputs, and its
+    final state lands in its slot of the pool; every other row of the pool is left bit-identical."""
+    gen = torch.Generator().manual_seed(len(counts))
+    cases = [make_case(1, n, 2, 3, 16, 24, seed=i + n) for i, n in enumerate(counts)]
+    flat = [torch.cat([case[j][0] for case in cases]) for j in range(5)]  # q, k, v, g, beta: [R, ...]
+    pool = torch.randn(len(counts) + 3, *cases[0][5].shape[1:], generator=gen)
+    slots = torch.randperm(len(counts) + 3, generator=gen)[:len(counts)]
+    for case, slot in zip(cases, slots):
+        pool[slot] = case[5][0]
+    before = pool.clone()
+    starts = torch.tensor([0, *itertools.accumulate(counts)][:-1])
+    out = kernel.fused_recurrent_ragged(*flat, pool, starts, torch.tensor(counts), slots)
+    assert out.shape == flat[2].shape
+    for case, start, n, slot in zip(cases, starts.tolist(), counts, slots):
+        expected_out, expected_final = reference(*case)
+        close(out[start:start + n], expected_out[0])
+        close(pool[slot], expected_final[0])
+    assert untouched(pool, before, slots)
+
+
+@child_only
 def test_padding_sequences_may_share_a_scratch_slot():
     """Two padding sequences on one scratch slot (as a fixed-shape step lays them) leave the real sequence's
     result and every other row as they would be alone."""
@@ -291,26 +314,31 @@ def layer_steps(layer, pools):
 @child_only
 def test_the_layer_and_its_commits_through_the_kernel_equal_the_pytorch_form(monkeypatch):
     """gated_deltanet and recurrent_state with the kernel forced on the CPU (slot-indexed, in place) give the
-    PyTorch form's outputs and pools at every step: ragged and in-order decode / verify groups, a deferred verify
-    (its pools untouched) and its commit, a padded step whose padding shares the scratch slot and its
-    commit_on_device, a group with only some sequences deferred, a prefill of long ragged runs (the PyTorch
-    form's chunked one, token by token in the kernel).  The scratch slot's rows are not compared."""
+    PyTorch form's outputs and pools at every step: sequences that are not deferred laid end to end in one
+    launch (ragged_group.py; the PyTorch form's groups by count, chunked for long runs), a deferred verify (its
+    pools untouched) and its commit, a padded step whose padding shares the scratch slot and its
+    commit_on_device, a step with only some sequences deferred.  The scratch slot's rows are not compared."""
     config = ModelConfig.from_dict(HYBRID)
     torch.manual_seed(0)
     layer = GatedDeltaNet(config, state_index=0)
     plain = layer_steps(layer, new_state_pools(config, 6, "cpu", torch.float32))
-    calls, tokens = [], []
+    calls, ragged_rows = [], []
 
     def counted(*args, **kwargs):
         calls.append(kwargs.get("slots") is not None)
-        tokens.append(args[0].shape[1])
         return kernel.fused_recurrent(*args, **kwargs)
 
-    forced = types.SimpleNamespace(supports=kernel.fits, fused_recurrent=counted)  # the interpreter runs CPU tensors
+    def counted_ragged(*args):
+        ragged_rows.append(args[0].shape[0])
+        return kernel.fused_recurrent_ragged(*args)
+
+    forced = types.SimpleNamespace(supports=kernel.fits, fused_recurrent=counted,  # the interpreter runs CPU tensors
+                                   fused_recurrent_ragged=counted_ragged)
     monkeypatch.setattr(model_delta_rule, "_kernel_for", lambda state: forced)
     fused = layer_steps(layer, new_state_pools(config, 6, "cpu", torch.float32))
-    assert calls.count(True) >= 8 and calls.count(False) >= 1  # in place; the mixed group's gathered states
-    assert max(tokens) == 40  # the prefill's padded group ran in the kernel
+    assert len(calls) >= 3 and all(calls)  # the deferred steps' groups in place (the kernel's slot mode)
+    # every step's sequences that are not deferred ran laid end to end: 5, 4, the mixed step's one of 2, 62 rows
+    assert ragged_rows == [5, 4, 2, 62]
     real = torch.arange(6) != SCRATCH
     for got, want in zip(fused, plain):
         if isinstance(got, list):
@@ -378,14 +406,15 @@ def test_compiled_kernel_on_the_gpu():
 
 @parent_only
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
-@pytest.mark.parametrize("has_slots,store,has_counts,write_out", [(False, True, False, True), (False, True, True, False),
-                                                                  (True, True, False, True), (True, False, False, True),
-                                                                  (True, True, True, False)])
-def test_the_kernel_compiles_for_hopper(has_slots, store, has_counts, write_out):
+@pytest.mark.parametrize("has_slots,store,has_counts,write_out,has_starts",
+                         [(False, True, False, True, False), (False, True, True, False, False),
+                          (True, True, False, True, False), (True, False, False, True, False),
+                          (True, True, True, False, False), (True, True, True, True, True)])
+def test_the_kernel_compiles_for_hopper(has_slots, store, has_counts, write_out, has_starts):
     """The interpreter runs the kernel as Python and so accepts code Triton's compiler refuses; compiling it to
     PTX for sm_90 (no GPU needed) checks each mode the engine launches: decode / verify steps in place on the
     pools (store on, or off for a deferred verify), the commit with counts, and the gathered form; the token
-    count compiled in (T = 2) or read at run time (T = 0, a prefill's run)."""
+    count compiled in (T = 2) or read at run time (T = 0, a prefill's run); ragged runs laid end to end."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -394,9 +423,11 @@ def test_the_kernel_compiles_for_hopper(has_slots, store, has_counts, write_out)
 
     pointers = {name: "*fp32" for name in ("q_ptr", "k_ptr", "v_ptr", "g_ptr", "beta_ptr", "state_ptr", "out_ptr",
                                           "final_ptr")}
-    pointers.update(counts_ptr="*i64", slots_ptr="*i64", tokens="i32")
-    constants = dict(T=2 if has_counts or not has_slots else 0, HK=16, H=48, DK=128, DV=128, DK_PAD=128, BLOCK_V=32, HAS_COUNTS=has_counts,
-                     HAS_SLOTS=has_slots, STORE=store, WRITE_OUT=write_out)  # the Qwen3.5-27B layer's shape
+    pointers.update(counts_ptr="*i64", slots_ptr="*i64", starts_ptr="*i64", tokens="i32")
+    compiled_in = (has_counts or not has_slots) and not has_starts
+    constants = dict(T=2 if compiled_in else 0, HK=16, H=48, DK=128, DV=128, DK_PAD=128, BLOCK_V=32,
+                     HAS_COUNTS=has_counts, HAS_SLOTS=has_slots, HAS_STARTS=has_starts, STORE=store,
+                     WRITE_OUT=write_out)  # the Qwen3.5-27B layer's shape
     source = ASTSource(fn=compiled._recurrent_kernel, signature={**pointers, **{k: "constexpr" for k in constants}},
                        constexprs=constants)
     ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32)).asm["ptx"]

@@ -13,7 +13,8 @@ the speculator drafting as it would.  In a run the requests arrive in waves, one
 list of prompt lengths.  Lengths both sides of a hybrid model's token-by-token limit (17) and of its chunk
 (64): a long and a short prompt alone; then arrivals beside decoding requests: two of one length together
 (one sequence group of two), several lengths in one step (several groups); last, one prompt of each length
-up to 17, for which the delta-rule kernel compiles apart (its token count is a compile-time constant).  Lengths
+up to 17, for which the delta-rule kernel compiles apart where a step's groups are padded (its token count is
+a compile-time constant; laid end to end, gated_deltanet.RAGGED_IN_KERNEL, they share one compilation).  Lengths
 are capped by the longest request the engine takes.  The engine's counters and its admission batcher's timings
 are left as they were before; the controller's learned state starts over at calibration, which follows
 (LLM.__init__).

@@ -53,14 +53,14 @@ BLOCK_V = 32  # state columns per program: 128 B of each state row, a [128, 32] 
 
 
 @triton.jit
-def _token(S, t, seq, head, key_head, count, rows, row_ok, cols, col_ok, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr,
-           out_ptr, T, HK: tl.constexpr, H: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+def _token(S, t, base, head, key_head, count, rows, row_ok, cols, col_ok, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr,
+           out_ptr, HK: tl.constexpr, H: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
            WRITE_OUT: tl.constexpr):
-    """Token t of the program's sequence applied to S [DK_PAD, BLOCK_V] (a no-op past `count`); its output
-    columns written.  Returns the new S."""
+    """Token t of the program's sequence, whose first token is row `base` of the inputs, applied to S
+    [DK_PAD, BLOCK_V] (a no-op past `count`); its output columns written.  Returns the new S."""
     active = t < count
-    key_row = (seq * T + t) * HK + key_head  # row of q / k [B * T * Hk, DK]
-    value_row = (seq * T + t) * H + head  # row of v / out [B * T * H, DV], element of g / beta [B * T * H]
+    key_row = (base + t) * HK + key_head  # row of q / k [rows * Hk, DK]
+    value_row = (base + t) * H + head  # row of v / out [rows * H, DV], element of g / beta [rows * H]
     k = tl.load(k_ptr + key_row * DK + rows, mask=row_ok & active, other=0.0)  # [DK_PAD]
     v = tl.load(v_ptr + value_row * DV + cols, mask=col_ok & active, other=0.0)  # [BLOCK_V]
     g = tl.load(g_ptr + value_row, mask=active, other=0.0)
@@ -75,13 +75,16 @@ def _token(S, t, seq, head, key_head, count, rows, row_ok, cols, col_ok, q_ptr, 
 
 
 @triton.jit(do_not_specialize=["tokens"])  # one compilation for every run-time length (none per divisibility)
-def _recurrent_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, counts_ptr, slots_ptr, out_ptr,
+def _recurrent_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, counts_ptr, slots_ptr, starts_ptr, out_ptr,
                       final_ptr, tokens, T: tl.constexpr, HK: tl.constexpr, H: tl.constexpr, DK: tl.constexpr,
                       DV: tl.constexpr, DK_PAD: tl.constexpr, BLOCK_V: tl.constexpr, HAS_COUNTS: tl.constexpr,
-                      HAS_SLOTS: tl.constexpr, STORE: tl.constexpr, WRITE_OUT: tl.constexpr):
+                      HAS_SLOTS: tl.constexpr, HAS_STARTS: tl.constexpr, STORE: tl.constexpr,
+                      WRITE_OUT: tl.constexpr):
     """One program per (sequence, value head, block of BLOCK_V columns); every tensor contiguous.  The state
     row is the sequence's own (state [B, ...], final [B, ...]) or, with HAS_SLOTS, slots[seq] (state and final
-    both the pool [N, ...]); STORE off writes no final state.  T: the tokens per sequence, or 0: `tokens`."""
+    both the pool [N, ...]); STORE off writes no final state.  T: the tokens per sequence, or 0: `tokens`, or
+    with HAS_STARTS (and T = 0) ragged sequences laid end to end: sequence seq's counts[seq] rows from
+    starts[seq], the program stopping at its own count (no padding, nothing written past it)."""
     seq = tl.program_id(0).to(tl.int64)  # int64: N * H * Dk * Dv may pass 2^31
     state_row = tl.load(slots_ptr + seq).to(tl.int64) if HAS_SLOTS else seq
     head = tl.program_id(1)
@@ -96,14 +99,21 @@ def _recurrent_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, counts_pt
     if T > 0:  # the count compiled in (decode and verify steps)
         count = tl.load(counts_ptr + seq) if HAS_COUNTS else T
         for t in range(T):
-            S = _token(S, t, seq, head, key_head, count, rows, row_ok, cols, col_ok, q_ptr, k_ptr, v_ptr, g_ptr,
-                       beta_ptr, out_ptr, T, HK, H, DK, DV, WRITE_OUT)
-    else:  # read at run time (a prefill's run; a while loop, which the interpreter also runs)
-        count = tl.load(counts_ptr + seq) if HAS_COUNTS else tokens
+            S = _token(S, t, seq * T, head, key_head, count, rows, row_ok, cols, col_ok, q_ptr, k_ptr, v_ptr, g_ptr,
+                       beta_ptr, out_ptr, HK, H, DK, DV, WRITE_OUT)
+    else:  # read at run time (a prefill's runs; a while loop, which the interpreter also runs)
+        if HAS_STARTS:  # ragged: its own rows, up to its own count
+            base = tl.load(starts_ptr + seq).to(tl.int64)
+            count = tl.load(counts_ptr + seq)
+            limit = count
+        else:
+            base = seq * tokens
+            count = tl.load(counts_ptr + seq) if HAS_COUNTS else tokens
+            limit = tokens
         t = 0
-        while t < tokens:
-            S = _token(S, t, seq, head, key_head, count, rows, row_ok, cols, col_ok, q_ptr, k_ptr, v_ptr, g_ptr,
-                       beta_ptr, out_ptr, tokens, HK, H, DK, DV, WRITE_OUT)
+        while t < limit:
+            S = _token(S, t, base, head, key_head, count, rows, row_ok, cols, col_ok, q_ptr, k_ptr, v_ptr, g_ptr,
+                       beta_ptr, out_ptr, HK, H, DK, DV, WRITE_OUT)
             t += 1
     if STORE:
         tl.store(final_ptr + tile, S, mask=tile_ok)
@@ -173,8 +183,29 @@ def fused_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
         raise ValueError("the state pool must be contiguous: the kernel writes its rows in place")
     out = v.new_empty(v.shape) if write_outputs else None
     _recurrent_kernel[(batch, heads, triton.cdiv(dv, block_v))](
-        q, k, v, g, beta, state, state if counts is None else counts, state if slots is None else slots,
-        v if out is None else out, final, tokens, T=tokens if tokens <= MAX_TOKENS else 0, HK=key_heads, H=heads, DK=dk, DV=dv, DK_PAD=dk_pad,
-        BLOCK_V=block_v, HAS_COUNTS=counts is not None, HAS_SLOTS=slots is not None,
-        STORE=slots is None or store, WRITE_OUT=write_outputs, num_warps=num_warps or warps)
+        q, k, v, g, beta, state, state if counts is None else counts, state if slots is None else slots, state,
+        v if out is None else out, final, tokens, T=tokens if tokens <= MAX_TOKENS else 0, HK=key_heads, H=heads,
+        DK=dk, DV=dv, DK_PAD=dk_pad, BLOCK_V=block_v, HAS_COUNTS=counts is not None, HAS_SLOTS=slots is not None,
+        HAS_STARTS=False, STORE=slots is None or store, WRITE_OUT=write_outputs, num_warps=num_warps or warps)
     return out, (final if slots is None else None)
+
+
+def fused_recurrent_ragged(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                           pool: torch.Tensor, starts: torch.Tensor, counts: torch.Tensor,
+                           slots: torch.Tensor) -> torch.Tensor:
+    """m sequences of any lengths laid end to end, no padding: q, k [R, Hk, Dk]; v [R, H, Dv]; g, beta [R, H]
+    (float32), sequence i's counts[i] rows from row starts[i]; pool [N, H, Dk, Dv] (contiguous), sequence i's
+    state its row slots[i], advanced there in place -> out [R, H, Dv].  Example: counts [3, 1, 2], starts
+    [0, 3, 4]: sequence 1 is row 3, sequence 2 rows 4 and 5; their programs stop after 1 and 2 tokens."""
+    rows, key_heads, dk = q.shape
+    heads, dv = v.shape[1], v.shape[2]
+    if not pool.is_contiguous():
+        raise ValueError("the state pool must be contiguous: the kernel writes its rows in place")
+    dk_pad, block_v, warps = launch_config(dk, dv)
+    q, k, v, g, beta, starts, counts, slots = (t.contiguous() for t in (q, k, v, g, beta, starts, counts, slots))
+    out = v.new_empty(v.shape)
+    _recurrent_kernel[(len(starts), heads, triton.cdiv(dv, block_v))](
+        q, k, v, g, beta, pool, counts, slots, starts, out, pool, 0, T=0, HK=key_heads, H=heads, DK=dk, DV=dv,
+        DK_PAD=dk_pad, BLOCK_V=block_v, HAS_COUNTS=True, HAS_SLOTS=True, HAS_STARTS=True, STORE=True,
+        WRITE_OUT=True, num_warps=warps)
+    return out

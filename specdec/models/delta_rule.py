@@ -80,6 +80,17 @@ def _torch_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Ten
     return recurrent(q.repeat_interleave(repeat, dim=2), k, v, g, beta, state)
 
 
+def ragged(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+           pool: torch.Tensor, starts: torch.Tensor, counts: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """Sequences laid end to end (kernels/delta_rule.fused_recurrent_ragged: q, k [R, Hk, Dk], v [R, H, Dv], g,
+    beta [R, H]; sequence i's counts[i] rows from starts[i], its state pool[slots[i]], advanced in place) ->
+    out [R, H, Dv].  Only where fused_on(pool)."""
+    kernel = _kernel_for(pool)
+    if kernel is None:
+        raise RuntimeError("the ragged delta rule runs in the Triton kernel only: check fused_on first")
+    return kernel.fused_recurrent_ragged(q, k, v, g, beta, pool, starts, counts, slots)
+
+
 def fused_on(state: torch.Tensor) -> bool:
     """Whether recurrent_heads runs as one Triton launch on state's device, whatever the token count: then a
     prefill run, too, is cheaper token by token in that launch than in `chunked`'s ~100 PyTorch ops a call."""

@@ -2,14 +2,15 @@
 
 A layer projects all T rows of the step at once, then runs its recurrence per group of sequences that
 feed the same number of tokens, or for the chunked form about as many chunks, padded with tokens that do
-nothing (`plan_groups`, built once per step and shared by every linear layer):
+nothing (`plan_groups`, built once per step and shared by every linear layer; where the Triton kernel runs,
+an eager step's sequences that are not deferred are one group laid end to end instead, ragged_group.py):
 each group's states are advanced together and written back to their slots (deferred sequences excepted: see
 specdec/models/recurrent_state.py).  The token-by-token form reads and writes the ssm pool's rows in place
 (`recurrent_heads` with slots: no gather or scatter of the states where the kernel runs); the chunked form
 and the conv state take a gather and a scatter.  A padded fixed-shape step
 (engine/static_hybrid.py) is one group, built without reading anything back from the device.  Groups of at
 most RECURRENT_MAX_TOKENS tokens per sequence (decode, verify) take the token-by-token form (one Triton launch
-on a GPU), longer ones (prefill) the chunked form (specdec/models/delta_rule.py).
+on a GPU), longer ones (prefill) the chunked form on a CPU (specdec/models/delta_rule.py).
 
 Module names follow the Hugging Face checkpoint (model.layers.N.linear_attn.in_proj_qkv ...).
 """
@@ -24,14 +25,19 @@ from torch import nn
 
 from specdec.models.attention import AttentionBatch
 from specdec.models.config import ModelConfig
-from specdec.models.delta_rule import CHUNK, causal_conv, chunked, conv_state_after, fused_on, recurrent_heads
+from specdec.models.delta_rule import (CHUNK, causal_conv, chunked, conv_state_after, fused_on, ragged,
+                                       recurrent_heads)
 from specdec.models.fused import Kernels
 from specdec.models.fused_linear import FusedProjection, fuse
+from specdec.models.ragged_group import RaggedGroup, ragged_causal_conv, ragged_group
 from specdec.models.recurrent_state import Deferred, StateBatch
 from specdec.transfer import upload
 
 RECURRENT_MAX_TOKENS = 17  # a verify step of 16 drafts plus one; longer runs per sequence go chunked ...
-LONG_RUNS_IN_KERNEL = True  # ... except where the Triton kernel runs (bench/prefill.py times both forms)
+# ... except where the Triton kernel runs: there an eager step's sequences that are not deferred run as one
+# ragged group (ragged_group.py), and the rest token by token (False: padded groups and the chunked form, as on
+# a CPU; bench/prefill.py times both)
+RAGGED_IN_KERNEL = True
 
 
 @dataclasses.dataclass
@@ -86,12 +92,18 @@ def plan_groups(batch: AttentionBatch) -> list[SequenceGroup]:
         raise ValueError(f"StateBatch has {len(states.slots)} slots and {len(states.defer)} defer flags for a "
                          f"step of {len(counts)} sequences: give one of each per sequence")
     starts = [0, *itertools.accumulate(counts)]
+    device = batch.query_start.device
+    groups: list[SequenceGroup | RaggedGroup] = []
+    if RAGGED_IN_KERNEL and states.ssm and fused_on(states.ssm[0]):
+        laid = [i for i, n in enumerate(counts) if n and not states.defer[i]]
+        if laid:
+            groups.append(ragged_group(laid, [starts[i] for i in laid], [counts[i] for i in laid],
+                                       [states.slots[i] for i in laid], states.conv[0].shape[-1], starts[-1], device))
+        counts = [n if states.defer[i] else 0 for i, n in enumerate(counts)]  # the deferred ones group below
     by_count: dict[int | tuple[str, int], list[int]] = {}  # _group_key -> the sequences of that group
     for i, n in enumerate(counts):
         if n:
             by_count.setdefault(_group_key(n, states.defer[i]), []).append(i)
-    device = batch.query_start.device
-    groups = []
     for seqs in by_count.values():
         n = max(counts[i] for i in seqs)
         padded = any(counts[i] < n for i in seqs)
@@ -100,7 +112,7 @@ def plan_groups(batch: AttentionBatch) -> list[SequenceGroup]:
         group = SequenceGroup(seqs=seqs, rows=upload(rows, device),
                               slots=upload([states.slots[i] for i in seqs], device),
                               deferred=[p for p, i in enumerate(seqs) if states.defer[i]],
-                              in_order=len(by_count) == 1 and len(seqs) == len(counts) and not padded)
+                              in_order=not groups and len(by_count) == 1 and len(seqs) == len(counts) and not padded)
         if padded:
             group.real = upload([[j < counts[i] for j in range(n)] for i in seqs], device).bool()
             group.counts = upload([counts[i] for i in seqs], device)
@@ -193,10 +205,10 @@ class GatedDeltaNet(nn.Module):
         """The shape-dependent part (conv, delta rule, state store per group): mixed [T, conv_dim], b, a [T, Hv]
         -> [T, Hv, Dv] in mixed's dtype (rows of no group left unset)."""
         if len(groups) == 1 and groups[0].in_order:  # one group of every row in order: no scatter
-            return self._attend_group(groups[0], mixed, b, a, states).flatten(0, 1)
+            return groups[0].scatter_rows(self._attend(groups[0], mixed, b, a, states))[1]
         core = mixed.new_empty(mixed.shape[0], self.num_v_heads, self.v_dim)  # [T, Hv, Dv]
         for group in groups:
-            rows, out = group.scatter_rows(self._attend_group(group, mixed, b, a, states))
+            rows, out = group.scatter_rows(self._attend(group, mixed, b, a, states))
             core[rows] = out
         return core
 
@@ -205,6 +217,30 @@ class GatedDeltaNet(nn.Module):
         tokens = core.shape[0]
         out = self.norm(core, z.view(tokens, self.num_v_heads, self.v_dim))
         return self.out_proj(out.reshape(tokens, self.value_width))
+
+    def _attend(self, group: SequenceGroup | RaggedGroup, mixed: torch.Tensor, b: torch.Tensor, a: torch.Tensor,
+                states: StateBatch) -> torch.Tensor:
+        """A group's outputs, in mixed's dtype: [R, Hv, Dv] for a ragged group, [m, n, Hv, Dv] for the others."""
+        if isinstance(group, RaggedGroup):
+            return self._attend_ragged(group, mixed, b, a, states)
+        return self._attend_group(group, mixed, b, a, states)
+
+    def _attend_ragged(self, group: RaggedGroup, mixed: torch.Tensor, b: torch.Tensor, a: torch.Tensor,
+                       states: StateBatch) -> torch.Tensor:
+        """The ragged group's [R, Hv, Dv] outputs: one convolution over the window table, the gates row by row,
+        one kernel launch; its states advanced in their slots."""
+        conv_pool, ssm_pool = states.conv[self.state_index], states.ssm[self.state_index]
+        take = (lambda t: t) if group.in_order else (lambda t: t[group.rows])
+        conved, next_conv = ragged_causal_conv(take(mixed), conv_pool[group.slots], self.conv1d.weight, group)
+        rows = conved.shape[0]
+        q, k, v = conved.split([self.key_width, self.key_width, self.value_width], dim=-1)
+        q, k = (t.reshape(1, rows, self.num_k_heads, self.k_dim) for t in (q, k))
+        q, k, beta, g = Kernels.delta_rule_gates(q, k, take(b)[None], take(a)[None], self.A_log, self.dt_bias,
+                                                 self.k_dim**-0.5)  # float32 [1, R, Hk, Dk] x 2, [1, R, Hv] x 2
+        v = v.reshape(rows, self.num_v_heads, self.v_dim).float()
+        out = ragged(q[0], k[0], v, g[0], beta[0], ssm_pool, group.starts, group.counts, group.slots)
+        conv_pool[group.slots] = next_conv.to(conv_pool.dtype)
+        return out.to(mixed.dtype)
 
     def _attend_group(self, group: SequenceGroup, mixed: torch.Tensor, b: torch.Tensor, a: torch.Tensor,
                       states: StateBatch) -> torch.Tensor:
@@ -221,7 +257,7 @@ class GatedDeltaNet(nn.Module):
             real = group.real.unsqueeze(-1)  # [m, n, 1]
             k, v = k * real.unsqueeze(-1), v * real.unsqueeze(-1)
             beta, g = beta * real, g * real
-        token_by_token = group.recurrent or (LONG_RUNS_IN_KERNEL and fused_on(ssm_pool))  # one launch does it all
+        token_by_token = group.recurrent or (RAGGED_IN_KERNEL and fused_on(ssm_pool))  # one launch does it all
         if token_by_token and group.kept is None:  # the slots' rows advanced (or, deferred, read) in place
             out, final = recurrent_heads(q, k, v.float(), g, beta, ssm_pool, slots=group.slots,
                                          store=not group.deferred)  # final None: nothing left to scatter
