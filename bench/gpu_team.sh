@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU call on why the Qwen3.5-27B twin's team load gains less than its steps promise (issue 22): (1) one
-# team-like prefill, plain and with MTP k = 2 (its head's observe and first chain), each profiled
-# (bench/prefill.py); (2) batch-16 steps of plain, MTP k = 2 and MTP k = 2 over a 32,768-row draft vocabulary,
+# team-like prefill, plain (the ragged layout, and the chunked form before it) and with MTP k = 2 (its head's
+# observe and first chain), each profiled (bench/prefill.py); (2) batch-16 steps of plain, MTP k = 2 and MTP k = 2 over a 32,768-row draft vocabulary,
 # profiled (bench/spec_steps.py); (3) the judge at k <= 2, the candidate over that draft vocabulary, whose record
 # now holds each engine's steps, eager steps and their seconds per load.  Each stage has its own limit.
 # From a tree without ref-target, ref-draft and ref-head (the device copy's 64 MiB).
@@ -15,9 +15,9 @@ nvidia-smi -L
 STAGE_MIN_S=20 STAGE_TAIL=${STAGE_TAIL:-16}
 source "$(dirname "$0")/stage.sh"
 TWIN=${TWIN:-qwen3.5-27b} TAG=${SPECDEC_COMMIT:-unknown}
-PREFILL="python3 bench/prefill.py --target ref-hybrid --twin $TWIN --variants eager --max-tokens 2 --top 40"
-stage prefill-plain ${PREFILL_STAGE_S:-70} $PREFILL --out "$OUT/prefill-twin27b-plain-t2-$TAG.json"
-stage prefill-mtp ${PREFILL_STAGE_S:-70} $PREFILL --speculator mtp --num-draft-tokens 2 \
+PREFILL="python3 bench/prefill.py --target ref-hybrid --twin $TWIN --max-tokens 2 --top 40"
+stage prefill-plain 110 $PREFILL --variants eager,eager-chunked --out "$OUT/prefill-twin27b-plain-t2-$TAG.json"
+stage prefill-mtp 70 $PREFILL --variants eager --speculator mtp --num-draft-tokens 2 \
   --out "$OUT/prefill-twin27b-mtp2-t2-$TAG.json"
 stage steps ${STEPS_STAGE_S:-170} python3 bench/spec_steps.py --target ref-hybrid --target-twin "$TWIN" --batch 16 \
   --prompts 16 --tokens 48 --configs ${STEPS_CONFIGS:-plain,mtp-k2,mtp-k2-v32k} --profile-steps ${PROFILE_STEPS:-4} \
