@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Prefill steps of a team-like batch (several prompts of ragged lengths arriving together): wall time per
-step, eager and with piecewise graphs, a Gated DeltaNet's long runs in the Triton kernel or in the chunked
-PyTorch form, and where the device time goes (the costliest kernels by their own device time, torch.profiler).  The 27B twin's team load spends about half its time in two such steps (issue 22).
+step, eager and with piecewise graphs, a Gated DeltaNet's sequences laid end to end in the Triton kernel or in
+padded groups with the chunked PyTorch form, and where the device time goes (the costliest kernels by their own
+device time, torch.profiler).  The 27B twin's team load spent half its time in two such steps (issue 22).
 
 Each timed run prefills new prompts (fresh ids: no prefix is reused) and emits --max-tokens per prompt (1: the
 prefill step alone; 2 with a speculator: its head's observe of the prompts and the first draft chain too).

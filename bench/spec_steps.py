@@ -408,7 +408,8 @@ def main(argv=None) -> int:
                                                                   **head)
     results = {"env": environment(device), "attention_backend": args.attention_backend or "engine default",
                "fixed_acceptance": args.fixed_acceptance,
-               "piecewise_graphs": args.piecewise_graphs, "early_observe": args.early_observe, "chain_ahead": args.chain_ahead,
+               "piecewise_graphs": args.piecewise_graphs, "early_observe": args.early_observe,
+               "chain_ahead": args.chain_ahead,
                "target": f"{args.target} as {args.target_twin} twin",
                "drafter": f"{args.draft} as {args.draft_twin} twin", "tokens": args.tokens, "batch": args.batch,
                "temperature": args.temperature, "rows": []}
