@@ -161,6 +161,8 @@ def test_report_shows_score_gates_plots_and_json(normal):
         assert gate["check"].replace("'", "&#x27;") in page
     assert page.count("data:image/png;base64,") == 1 and "tokens per verify step" in page
     assert "&quot;specscore&quot;" in page  # the whole record
+    # where the time went: a row per workload for the candidate, the one engine here that reports its steps
+    assert "Where the time went" in page and page.count("<td>candidate</td>") == 3 and "<td>stock</td>" not in page
 
 
 def assert_failed(record: dict, *phrases: str) -> None:

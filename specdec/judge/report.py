@@ -119,12 +119,33 @@ def render(record: dict) -> str:
                   num((ratios.get(w) or {}).get("ratio"), ".3f") + "×"] for w in workloads]
     parts.append("<h2>Speculation</h2>" + table(["workload", "tokens per verify step", "acceptance rate",
                                                  "speedup"], spec_rows))
+    steps_rows = step_rows(workloads)
+    if steps_rows:
+        parts.append("<h2>Where the time went</h2><p class='sub'>each engine's steps over a workload's timed passes "
+                     "(as it reports them), and of those the eager ones: steps with a forward outside its CUDA graphs "
+                     "(prefill and mixed steps)</p>" + table(["workload", "engine", "steps", "seconds",
+                                                              "eager steps", "eager seconds"], steps_rows))
     parts.append("<h2>Plots</h2>" + plots(record))
     for note in record.get("notes") or []:
         parts.append(f"<p class='sub'>note: {esc(note)}</p>")
     parts.append("<h2>Record</h2><pre>" + esc(json.dumps(record, indent=1)) + "</pre>")
     return (f"<!doctype html><html><head><meta charset='utf-8'><title>{esc(record.get('title', 'judge'))}</title>"
             f"<style>{STYLE}</style></head><body>{''.join(parts)}</body></html>\n")
+
+
+def step_rows(workloads: dict) -> list[list[str]]:
+    """A row per workload and engine that reported its steps (record["workloads"][w]["engine_steps"])."""
+    rows = []
+    for name, row in workloads.items():
+        counters = row.get("engine_steps") or {}
+        for role in ("stock", "candidate"):
+            values = {key: (counters.get(key) or {}).get(role) for key in
+                      ("engine_steps", "step_seconds", "eager_steps", "eager_step_seconds")}
+            if any(v is not None for v in values.values()):
+                rows.append([esc(name), esc(role), num(values["engine_steps"], ".0f"),
+                             num(values["step_seconds"], ".2f"), num(values["eager_steps"], ".0f"),
+                             num(values["eager_step_seconds"], ".2f")])
+    return rows
 
 
 def write_report(record: dict, path: Path) -> None:
