@@ -35,6 +35,20 @@ def test_failed_record_ranks_below_passing_ones_and_says_why(tmp_path):
     assert "<script" not in page and page.index("fast: m") < page.index("slow: m") < page.index("fast-but-failed")
 
 
+def test_the_device_column_names_the_gpu_the_run_saw(tmp_path):
+    """A judge record names no device itself: the GPUs of its run (provenance), else its engines' --device."""
+    on_gpu, on_cpu = record(1.5), record(1.2)
+    del on_gpu["device"], on_cpu["device"]
+    on_gpu["run"] = {"gpus": ["NVIDIA H100 80GB HBM3"]}
+    on_gpu["engines"] = {"stock": {"spec": "specdec serve m --device cuda"}}
+    on_cpu["run"] = {"gpus": []}
+    on_cpu["engines"] = {"stock": {"spec": "specdec serve m --device cpu"}}
+    paths = [tmp_path / "gpu.json", tmp_path / "cpu.json"]
+    for path, rec in zip(paths, (on_gpu, on_cpu)):
+        path.write_text(json.dumps(rec))
+    assert [e["device"] for e in ranked(paths)] == ["NVIDIA H100 80GB HBM3", "cpu"]
+
+
 def test_inconclusive_record_ranks_below_passing_ones_marked(tmp_path):
     unsure = record(2.5, verdict="inconclusive")
     unsure["inconclusive"] = [{"check": "sampled replies' likelihood", "why": "straddles", "power": "±0.8 against ±0.05"}]

@@ -75,8 +75,12 @@ def why(record: dict, verdict: str, verdicts: dict[str, str]) -> str:
 
 
 def device_of(record: dict) -> str:
+    """The device a record ran on: as it says, else the GPUs its run saw, else the engines' --device."""
     if record.get("device"):
         return record["device"]
+    gpus = (record.get("run") or {}).get("gpus") or []
+    if gpus:
+        return ", ".join(sorted(set(gpus)))
     engines = record.get("engines") or {}
     specs = " ".join(str(e.get("spec", "")) for e in engines.values())
     match = re.search(r"--device[ =](\S+)", specs)
