@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 import time
 
@@ -64,10 +65,28 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 tensor_parallel_size=getattr(args, "tensor_parallel_size", 1))
 
 
+class _StderrLines(logging.Handler):
+    """Each record as a line on the sys.stderr of the moment it is emitted."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        print(self.format(record), file=sys.stderr)
+
+
+def show_startup() -> None:
+    """The start-up's phases (specdec.llm.startup_log) as "specdec: ..." lines on stderr, once per process."""
+    log = logging.getLogger("specdec.startup")
+    if not any(isinstance(h, _StderrLines) for h in log.handlers):
+        handler = _StderrLines()
+        handler.setFormatter(logging.Formatter("specdec: %(message)s"))
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     from specdec import LLM, SamplingParams
     from specdec.speculate import spec_config_from_args
 
+    show_startup()
     llm = LLM(args.model, speculator=spec_config_from_args(args), **engine_kwargs(args))
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                             top_p=args.top_p, seed=args.seed, stop=args.stop or None)

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import logging
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -14,6 +17,20 @@ from specdec.errors import ConfigError, InvalidRequestError, ModelLoadError
 from specdec.models.loader import load_model
 from specdec.sampling import SamplingParams
 from specdec.tokenizer import Tokenizer, eos_token_ids
+
+# what the start-up did and how long it took, a line per phase (specdec serve and generate show them): on a GPU
+# the start-up takes tens of seconds before the first request (graph capture, eager warm-up, calibration)
+startup_log = logging.getLogger("specdec.startup")
+
+
+@contextlib.contextmanager
+def _phase(done: str):
+    """Log `done`, formatted with the phase's seconds and with the counts the phase sets in the yielded dict;
+    nothing where a count is 0 (a CPU captures no CUDA graphs and runs no eager warm-up)."""
+    started, found = time.perf_counter(), {}
+    yield found
+    if all(found.values()):
+        startup_log.info(done.format(seconds=time.perf_counter() - started, **found))
 
 
 @dataclasses.dataclass
@@ -84,12 +101,14 @@ class LLM:
             self.tensor_parallel = init_tensor_parallel(tensor_parallel_size, device)
             device = rank_device(device, self.tensor_parallel)
         self.device = pick_device(device)
-        self.model = load_model(self.model_dir, self.device, parse_dtype(dtype))
-        self.twin = twin  # the shape the model runs at, if a twin (an MTP speculator pads its head to it)
-        if twin is not None:  # the same function at a large model's shapes (specdec.models.twin)
-            from specdec.models.twin import make_twin
+        as_twin = f" as the {twin} twin" if isinstance(twin, str) else " as a twin" if twin is not None else ""
+        with _phase(f"loaded {self.model_dir.name}{as_twin} on {self.device} in {{seconds:.1f}} s"):
+            self.model = load_model(self.model_dir, self.device, parse_dtype(dtype))
+            self.twin = twin  # the shape the model runs at, if a twin (an MTP speculator pads its head to it)
+            if twin is not None:  # the same function at a large model's shapes (specdec.models.twin)
+                from specdec.models.twin import make_twin
 
-            self.model = make_twin(self.model, twin, noise=1e-6 if self.device.type == "cuda" else 0.0)
+                self.model = make_twin(self.model, twin, noise=1e-6 if self.device.type == "cuda" else 0.0)
         if self.tensor_parallel is not None:
             from specdec.parallel.tensor_parallel import shard_model
 
@@ -124,12 +143,15 @@ class LLM:
                 controller = RankZeroController(controller)
             self.engine.set_speculator(spec, controller)
         if self.engine.config.precapture:  # what a served step would otherwise build on first use
-            self.engine.precapture_graphs()
-            self.engine.warm_up_eager()
+            with _phase("captured {graphs} CUDA graphs in {seconds:.1f} s") as found:
+                found["graphs"] = self.engine.precapture_graphs()
+            with _phase("ran {steps} eager warm-up steps in {seconds:.1f} s") as found:
+                found["steps"] = self.engine.warm_up_eager()
         if speculator is not None and speculator.adaptive:  # costs of the steps as served: after the capture
             from specdec.speculate.build import calibrate
 
-            calibrate(self.engine.controller, self.engine, self.engine.speculator)
+            with _phase(f"measured the {speculator.method} speculator's step costs in {{seconds:.1f}} s"):
+                calibrate(self.engine.controller, self.engine, self.engine.speculator)
 
     @property
     def is_main_rank(self) -> bool:

@@ -48,6 +48,17 @@ def test_generate_ends_with_one_summary_line_on_stderr(qwen3_dir, capsys):
     assert "drafts accepted" in err  # fixed k: the repeated prompt gives n-gram matches to verify
 
 
+def test_generate_says_what_its_start_up_did(qwen3_dir, capsys):
+    """A line per start-up phase on stderr before the replies: the load, and an adaptive speculator's calibration
+    (on a GPU also the graph capture and the eager warm-up)."""
+    assert main(["generate", str(qwen3_dir), "--prompt", "abcabc", "--max-tokens", "3", "--device", "cpu",
+                 "--speculator", "ngram"]) == 0
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines[0].startswith(f"specdec: loaded {qwen3_dir.name} on cpu in ") and lines[0].endswith(" s")
+    assert any(line.startswith("specdec: measured the ngram speculator's step costs in ") for line in lines)
+    assert lines[-1].startswith("specdec: 3 tokens in ")
+
+
 def test_attention_backend_reaches_the_engine(qwen3_dir, capsys):
     """--attention-backend is the engine's choice; one that cannot run here is a one-line error."""
     assert main(["generate", str(qwen3_dir), "--prompt", "abc", "--max-tokens", "2", "--device", "cpu",
@@ -79,3 +90,17 @@ def test_overlap_steps_flag_reaches_the_engine(qwen3_dir, capsys):
     assert main(["generate", str(qwen3_dir), "--prompt", "abc", "--device", "cpu", "--overlap-steps"]) == 2
     err = capsys.readouterr().err
     assert "overlap_steps needs static_shapes" in err and "Traceback" not in err
+
+
+def test_a_start_up_phase_that_counted_nothing_says_nothing(caplog):
+    """A phase logs its line with its counts and seconds; one whose count is 0 (a CPU's graph capture) is silent."""
+    import logging
+
+    from specdec.llm import _phase
+
+    caplog.set_level(logging.INFO, logger="specdec.startup")
+    with _phase("captured {graphs} CUDA graphs in {seconds:.1f} s") as found:
+        found["graphs"] = 72
+    with _phase("ran {steps} eager warm-up steps in {seconds:.1f} s") as found:
+        found["steps"] = 0
+    assert [r.getMessage() for r in caplog.records] == ["captured 72 CUDA graphs in 0.0 s"]

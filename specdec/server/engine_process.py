@@ -162,6 +162,7 @@ def engine_process_main(spec: EngineSpec, commands, events) -> None:
     """The engine process: build the engine, report Ready (or Failed), then serve commands until told to stop
     or the server is gone."""
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s:     engine process: %(message)s")
+    logging.getLogger("specdec.startup").setLevel(logging.INFO)  # what the start-up did, a line per phase
     try:
         from specdec import LLM
 
