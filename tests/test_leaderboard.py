@@ -49,6 +49,15 @@ def test_the_device_column_names_the_gpu_the_run_saw(tmp_path):
     assert [e["device"] for e in ranked(paths)] == ["NVIDIA H100 80GB HBM3", "cpu"]
 
 
+def test_the_commit_column_takes_the_runs_commit_where_the_record_has_none(tmp_path):
+    rec = record(1.5)
+    del rec["commit"]
+    rec["run"] = {"commit": "1ea58c7", "gpus": []}
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps(rec))
+    assert ranked([path])[0]["commit"] == "1ea58c7"
+
+
 def test_inconclusive_record_ranks_below_passing_ones_marked(tmp_path):
     unsure = record(2.5, verdict="inconclusive")
     unsure["inconclusive"] = [{"check": "sampled replies' likelihood", "why": "straddles", "power": "±0.8 against ±0.05"}]

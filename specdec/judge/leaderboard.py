@@ -108,9 +108,11 @@ def twin_of(record: dict) -> str:
 
 
 def commit_of(record: dict, path: Path) -> str:
-    """The record's own commit field, else the commit that added its file (marked "recorded in")."""
-    if record.get("commit"):
-        return record["commit"]
+    """The record's own commit field, else its run's (the judge's provenance), else the commit that added its file
+    (marked "recorded in")."""
+    commit = record.get("commit") or (record.get("run") or {}).get("commit")
+    if commit and commit != "unknown":
+        return commit
     try:
         out = subprocess.run(["git", "log", "-1", "--format=%h", "--", path.name], cwd=path.parent,
                              capture_output=True, text=True, timeout=10)
