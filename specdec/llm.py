@@ -128,6 +128,9 @@ class LLM:
             config.kv_cache_tokens = agreed_kv_cache_tokens(self.model, config, self.device)
         self.engine = Engine(self.model, config, self.eos_token_ids,
                              detokenize=self.tokenizer.decode if self.tokenizer else None)
+        startup_log.info(f"KV cache: {self.engine.capacity_tokens} tokens ({self.engine.blocks.num_blocks} blocks "
+                         f"of {self.engine.blocks.block_size}, {self.engine.kv_cache.data.nbytes / 2**30:.2f} GiB); "
+                         f"requests up to {self.engine.max_model_len} tokens")
         self.spec_config = speculator
         if speculator is not None:
             from specdec.speculate.build import build_speculator

@@ -55,6 +55,7 @@ def test_generate_says_what_its_start_up_did(qwen3_dir, capsys):
                  "--speculator", "ngram"]) == 0
     lines = capsys.readouterr().err.strip().splitlines()
     assert lines[0].startswith(f"specdec: loaded {qwen3_dir.name} on cpu in ") and lines[0].endswith(" s")
+    assert lines[1].startswith("specdec: KV cache: ") and " GiB); requests up to " in lines[1]
     assert any(line.startswith("specdec: measured the ngram speculator's step costs in ") for line in lines)
     assert lines[-1].startswith("specdec: 3 tokens in ")
 
