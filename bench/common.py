@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import platform
 import time
@@ -65,6 +66,14 @@ def write_json(path: str | Path, data: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=2) + "\n")
     print(f"wrote {path}")
+
+
+def free_device_memory(device: torch.device) -> None:
+    """Give back what engines the caller has just dropped held (their graph pools and cached blocks), so that the
+    next engine it builds starts from an empty card."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def alloc_retries(device) -> int:

@@ -8,10 +8,7 @@
 # without ref-hybrid).
 # Usage on the device:  SPECDEC_COMMIT=<sha> bash bench/gpu_ahead.sh "$OUT"   (.whl carried)
 OUT=${1:-/tmp/out}; mkdir -p "$OUT"
-[ -d .whl ] && { python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1; }
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
-[ -n "$SPECDEC_COMMIT" ] || echo "warning: SPECDEC_COMMIT is unset: the records cannot name their commit"
-nvidia-smi -L
+source "$(dirname "$0")/device_env.sh"
 TARGET=${TARGET:-ref-hybrid} TWIN=${TWIN:-qwen3.5-27b}
 CONFIGS=${CONFIGS:-mtp-k1,mtp-k2}
 steps() {  # steps NAME SPEC_STEPS_ARGS...: one spec_steps run, its JSON rows left out of the log

@@ -7,11 +7,8 @@
 # Each stage has its own limit.
 # Usage on the device:  SPECDEC_COMMIT=<sha> bash bench/gpu_hybrid_judge.sh "$OUT"   (.whl carried)
 OUT=${1:-/tmp/out}; mkdir -p "$OUT"
-[ -d .whl ] && { python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1; }
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+source "$(dirname "$0")/device_env.sh"
 LIMIT=${ALL_LIMIT_S:-585}
-nvidia-smi -L
-[ -n "$SPECDEC_COMMIT" ] || echo "warning: SPECDEC_COMMIT is unset: the records cannot name their commit (the device copy has no git history)"
 STAGE_MIN_S=20 STAGE_TAIL=${STAGE_TAIL:-25}
 source "$(dirname "$0")/stage.sh"
 TWIN=${TWIN:-qwen3.5-27b}

@@ -14,7 +14,6 @@ GPU:  python3 bench/prefill.py --target ref-hybrid --twin qwen3.5-27b --out "$OU
 from __future__ import annotations
 
 import argparse
-import gc
 import sys
 import time
 from pathlib import Path
@@ -24,7 +23,7 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
-from bench.common import alloc_retries, environment, sync, write_json  # noqa: E402
+from bench.common import alloc_retries, environment, free_device_memory, sync, write_json  # noqa: E402
 from specdec import LLM, SamplingParams  # noqa: E402
 from specdec.models import gated_deltanet  # noqa: E402
 from specdec.speculate import SpecConfig  # noqa: E402
@@ -99,9 +98,7 @@ def measure(variant: str, args, device: torch.device, lengths: list[int]) -> dic
     if args.top:
         row["profile"] = kernel_table(llm, fresh_prompts(lengths, 99, vocab), params, args.top)
     del llm
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
+    free_device_memory(device)
     return row
 
 

@@ -27,7 +27,6 @@ import argparse
 import collections
 import contextlib
 import dataclasses
-import gc
 import json
 import statistics
 import sys
@@ -39,7 +38,8 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
-from bench.common import alloc_retries, compiles, environment, sync, triton_compiles, write_json  # noqa: E402
+from bench.common import (alloc_retries, compiles, environment, free_device_memory, sync,  # noqa: E402
+                          triton_compiles, write_json)
 from specdec import LLM, SamplingParams  # noqa: E402
 from specdec.assets import heldout_prompts_path  # noqa: E402
 from specdec.speculate import SpecConfig  # noqa: E402
@@ -328,9 +328,7 @@ def measure(name: str, make, prompts: list[str], tokens: int, device: torch.devi
                    reserved_mib=torch.cuda.memory_reserved(device) / 2**20,
                    peak_allocated_mib=torch.cuda.max_memory_allocated(device) / 2**20)
     del llm, clock
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
+    free_device_memory(device)
     return row
 
 

@@ -24,7 +24,7 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
-from bench.common import compiles, environment, sync, write_json  # noqa: E402
+from bench.common import compiles, environment, free_device_memory, sync, write_json  # noqa: E402
 from specdec import LLM, SamplingParams  # noqa: E402
 from specdec.assets import heldout_prompts_path, short_name_path  # noqa: E402
 from specdec.speculate import SpecConfig  # noqa: E402
@@ -220,9 +220,7 @@ def main(argv=None) -> int:
                 print(f"{name} c{c} | {line}")
         write_json(args.out, results)  # kept if a time limit ends the run early
         del llms
-        gc.collect()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+        free_device_memory(device)
     if args.peer:
         results.update(transformers_peer(device, load_prompts(9), args.max_tokens))
         print({k: v for k, v in results.items() if k.startswith("hf_")})

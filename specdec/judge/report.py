@@ -8,6 +8,7 @@ import io
 import json
 from pathlib import Path
 
+from specdec.judge.client import STEP_COUNTERS
 from specdec.judge.summary import headline, score_line, speed_lines
 
 STYLE = """
@@ -139,8 +140,7 @@ def step_rows(workloads: dict) -> list[list[str]]:
     for name, row in workloads.items():
         counters = row.get("engine_steps") or {}
         for role in ("stock", "candidate"):
-            values = {key: (counters.get(key) or {}).get(role) for key in
-                      ("engine_steps", "step_seconds", "eager_steps", "eager_step_seconds")}
+            values = {key: (counters.get(key) or {}).get(role) for key in STEP_COUNTERS}
             if any(v is not None for v in values.values()):
                 rows.append([esc(name), esc(role), num(values["engine_steps"], ".0f"),
                              num(values["step_seconds"], ".2f"), num(values["eager_steps"], ".0f"),
