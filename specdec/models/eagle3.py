@@ -144,7 +144,7 @@ class Eagle3Head(nn.Module):
         residual = normed if self.config.norm_before_residual else states
         x = torch.cat([embeds, normed], dim=-1)  # [T, 2H]
         attn = layer.self_attn
-        attended = attn.output(attn.attend(*attn.heads(x, self.rotary.lookup(positions, x.dtype)), batch, kv_cache))
+        attended = attn.output(attn(x, self.rotary.lookup(positions, x.dtype), batch, kv_cache))
         residual, h = layer.post_attention_layernorm.add_forward(residual, attended)
         return residual + layer.mlp(h)
 

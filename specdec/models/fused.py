@@ -98,6 +98,9 @@ class Kernels:
     gated_rms_norm = staticmethod(gated_rms_norm)
     delta_rule_gates = staticmethod(delta_rule_gates)
     fused = False
+    # specdec.kernels.qk_rope_write.qk_rope_write where set (a GPU with working fused kernels): a layer's query/key
+    # norms, rotary embedding and KV-cache writes in one launch (transformer.Attention.forward)
+    qk_rope_write = None
 
 
 @contextlib.contextmanager
@@ -110,9 +113,10 @@ def plain_kernels():
     if not Kernels.fused:
         yield
         return
-    saved = {name: Kernels.__dict__[name] for name in PLAIN}
+    saved = {name: Kernels.__dict__[name] for name in (*PLAIN, "qk_rope_write")}
     for name, fn in PLAIN.items():
         setattr(Kernels, name, staticmethod(fn))
+    Kernels.qk_rope_write = None
     try:
         yield
     finally:
@@ -141,6 +145,7 @@ def enable_fused_kernels() -> bool:
     compiled = compile_all()
     try:
         _try_compiled(compiled)
+        writer = _tried_qk_rope_write()
     except Exception as exc:  # noqa: BLE001 - any compiler failure means: run the plain kernels
         import logging
 
@@ -148,6 +153,7 @@ def enable_fused_kernels() -> bool:
                                              type(exc).__name__, str(exc).splitlines()[0][:200])
         return False
     use_compiled(compiled)
+    Kernels.qk_rope_write = staticmethod(writer)
     return True
 
 
@@ -180,3 +186,16 @@ def _try_compiled(compiled: dict) -> None:
     compiled["gated_rms_norm"](x, x, w, 1e-6)
     heads, gates = x.unsqueeze(0), x[..., 0].unsqueeze(0)  # [1, 3, 2, 64], [1, 3, 2]
     compiled["delta_rule_gates"](heads, heads, gates, gates, w[:2], w[:2], 64**-0.5)
+
+
+def _tried_qk_rope_write():
+    """specdec.kernels.qk_rope_write's entry point, run once on small CUDA tensors (bf16, 3 tokens, 2 query heads
+    and 1 key head of 64 dims, an 8-slot cache)."""
+    from specdec.kernels.qk_rope_write import qk_rope_write
+
+    q = torch.randn(3, 2, 64, device="cuda", dtype=torch.bfloat16)
+    kv = q[:, :1]
+    cos = sin = torch.ones(3, 1, 64, device="cuda", dtype=torch.bfloat16)
+    cache = torch.zeros(8, 1, 64, device="cuda", dtype=torch.bfloat16)
+    qk_rope_write(q, kv, kv, q[0, 0], q[0, 0], 1e-6, cos, sin, torch.arange(3, device="cuda"), cache, cache.clone())
+    return qk_rope_write

@@ -13,6 +13,7 @@ from torch import nn
 from specdec.models.attention import AttentionBatch, paged_attention, write_kv
 from specdec.models.config import ModelConfig
 from specdec.models.fused_linear import FusedProjection, fuse
+from specdec.models.fused import Kernels
 from specdec.models.layers import GatedMLP, RMSNorm, Rotary
 
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: (k [slots, Hkv, D], v [slots, Hkv, D])
@@ -62,6 +63,21 @@ class Attention(nn.Module):
             q, k = Rotary.forward(q, k, cos_sin)
         return q, k, v
 
+    def forward(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], batch: AttentionBatch,
+                kv_cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """x [T, hidden] (normed) -> attention output [T, H, D], this step's keys and values written to the cache:
+        by Kernels.qk_rope_write in one launch where it is set and takes the layer, else heads() and attend()."""
+        writer, k_cache = Kernels.qk_rope_write, kv_cache[0]
+        if writer is None or not _writer_supports(x.dtype, k_cache, cos_sin[0]):
+            return self.attend(*self.heads(x, cos_sin), batch, kv_cache)
+        tokens = x.shape[0]
+        q, k, v = self.project(x)
+        norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.qk_norm else (None, None, 0.0)
+        q = writer(q.view(tokens, self.num_heads, self.head_dim), k.view(tokens, self.num_kv_heads, self.head_dim),
+                   v.view(tokens, self.num_kv_heads, self.head_dim), *norms, *cos_sin, batch.slot_mapping, k_cache,
+                   kv_cache[1])
+        return paged_attention(q, k_cache, kv_cache[1], batch, self.scale)
+
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: AttentionBatch,
                kv_cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """Write this step's keys/values to the cache and attend: -> [T, H, D]."""
@@ -72,6 +88,13 @@ class Attention(nn.Module):
     def output(self, out: torch.Tensor) -> torch.Tensor:
         """[T, H, D] -> [T, hidden]."""
         return self.o_proj(out.reshape(out.shape[0], self.num_heads * self.head_dim))
+
+
+def _writer_supports(dtype: torch.dtype, k_cache: torch.Tensor, cos: torch.Tensor) -> bool:
+    """Whether Kernels.qk_rope_write (then imported, with triton) takes a layer of this dtype, cache and rotation."""
+    from specdec.kernels.qk_rope_write import supports
+
+    return supports(dtype, k_cache, cos)
 
 
 class DecoderLayer(nn.Module):
@@ -153,7 +176,7 @@ class CausalLM(nn.Module):
         for i, kv_cache in enumerate(kv_caches):
             self.keep_feature(i, x)
             attn = self.model.layers[i].self_attn
-            x, h = self.post_attention_piece(i, x, attn.attend(*attn.heads(h, cos_sin), batch, kv_cache))
+            x, h = self.post_attention_piece(i, x, attn(h, cos_sin, batch, kv_cache))
         self.keep_feature(len(kv_caches), h)  # the final feature
         return h
 
