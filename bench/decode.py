@@ -26,7 +26,7 @@ from bench.common import copy_bandwidth_gbs, environment, sync, timed, write_jso
 from specdec.engine.engine import Engine, EngineConfig  # noqa: E402
 from specdec.engine.scheduler import ScheduledSeq  # noqa: E402
 from specdec.models.config import ModelConfig  # noqa: E402
-from specdec.models.fused import enable_fused_kernels  # noqa: E402
+from specdec.models.fused import Kernels, enable_fused_kernels  # noqa: E402
 from specdec.models.loader import random_model  # noqa: E402
 from specdec.sampling import SamplingParams  # noqa: E402
 
@@ -168,6 +168,8 @@ VARIANTS = {  # name -> make_engine options (the main table runs the engine's de
     # overlapped steps (engine/overlap.py, issue 21): the host schedules each step while the one before it runs
     "overlap-steps": dict(overlap_steps=True, fixed_acceptance=True, static_shapes=True),
     "no-overlap": dict(overlap_steps=False),  # the default before overlapped steps were measured
+    # a layer's query/key norms, rotations and KV-cache writes as four kernels, not kernels/qk_rope_write.py's one
+    "separate-qk-writes": dict(qk_rope_write=False),
 }
 CPU_VARIANTS = ("overlap-steps",)  # those the CPU dry run (--tiny) runs too: no compile, no CUDA needed
 
@@ -180,9 +182,11 @@ def variant_rows(model, args, vocab: int, gen, device, save=lambda rows: None) -
     context = int(args.contexts.split(",")[0])
     names = [n for n in args.variants.split(",") if n and (device.type == "cuda" or n in CPU_VARIANTS)]
     for name in names:
-        options = VARIANTS[name]
+        options = dict(VARIANTS[name])
+        writer = Kernels.qk_rope_write if options.pop("qk_rope_write", True) else None
         for batch in (int(b) for b in args.variant_batches.split(",")):
             t0 = time.perf_counter()
+            saved, Kernels.qk_rope_write = Kernels.qk_rope_write, writer
             try:
                 engine = make_engine(model, batch, context, batch * 64 + context + 64 * (args.max_k + 2) * batch,
                                      **options)
@@ -198,6 +202,8 @@ def variant_rows(model, args, vocab: int, gen, device, save=lambda rows: None) -
                     engine.drain()
             except Exception as exc:
                 rows.append({"variant": name, "batch": batch, "error": f"{type(exc).__name__}: {exc}"[:500]})
+            finally:
+                Kernels.qk_rope_write = saved
             rows[-1]["setup_s"] = time.perf_counter() - t0
             print(name, {k: v for k, v in rows[-1].items() if k != "profile"}, flush=True)
             save(rows)
@@ -279,6 +285,7 @@ def main(argv=None) -> int:
     # The engine's GPU default compiles the elementwise pieces, process-wide and for good: do it before any
     # engine so that every row of the table (and the transformers check) runs the same kernels.
     results["fused_kernels"] = device.type == "cuda" and enable_fused_kernels()
+    results["qk_rope_write"] = Kernels.qk_rope_write is not None  # one launch for q/k norms, rotations, KV writes
     table, verify, gen = [], [], torch.Generator().manual_seed(0)
     for context in contexts:
         for batch in batches:
