@@ -170,8 +170,21 @@ VARIANTS = {  # name -> make_engine options (the main table runs the engine's de
     "no-overlap": dict(overlap_steps=False),  # the default before overlapped steps were measured
     # a layer's query/key norms, rotations and KV-cache writes as four kernels, not kernels/qk_rope_write.py's one
     "separate-qk-writes": dict(qk_rope_write=False),
+    # the paged-attention kernel's shortest split partition (kernels/paged_attention.py, 256 keys by default):
+    # 64 spreads a batch-1 step of 512 keys over 8 partitions, 4096 over one (no merge kernel)
+    "partitions-64": dict(min_partition=64),
+    "partitions-4096": dict(min_partition=4096),
 }
 CPU_VARIANTS = ("overlap-steps",)  # those the CPU dry run (--tiny) runs too: no compile, no CUDA needed
+
+
+def set_min_partition(keys: int | None) -> int | None:
+    """Set the paged-attention kernel's MIN_PARTITION (where its module is in use); returns the value before."""
+    module = sys.modules.get("specdec.kernels.paged_attention")
+    if keys is None or module is None:
+        return None
+    before, module.MIN_PARTITION = module.MIN_PARTITION, keys
+    return before
 
 
 def variant_rows(model, args, vocab: int, gen, device, save=lambda rows: None) -> list[dict]:
@@ -184,9 +197,11 @@ def variant_rows(model, args, vocab: int, gen, device, save=lambda rows: None) -
     for name in names:
         options = dict(VARIANTS[name])
         writer = Kernels.qk_rope_write if options.pop("qk_rope_write", True) else None
+        min_partition = options.pop("min_partition", None)
         for batch in (int(b) for b in args.variant_batches.split(",")):
             t0 = time.perf_counter()
             saved, Kernels.qk_rope_write = Kernels.qk_rope_write, writer
+            saved_partition = set_min_partition(min_partition)
             try:
                 engine = make_engine(model, batch, context, batch * 64 + context + 64 * (args.max_k + 2) * batch,
                                      **options)
@@ -204,6 +219,7 @@ def variant_rows(model, args, vocab: int, gen, device, save=lambda rows: None) -
                 rows.append({"variant": name, "batch": batch, "error": f"{type(exc).__name__}: {exc}"[:500]})
             finally:
                 Kernels.qk_rope_write = saved
+                set_min_partition(saved_partition)
             rows[-1]["setup_s"] = time.perf_counter() - t0
             print(name, {k: v for k, v in rows[-1].items() if k != "profile"}, flush=True)
             save(rows)
