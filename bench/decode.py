@@ -158,9 +158,30 @@ def kernel_profile(engine: Engine, steps: int = 5, top: int = 15) -> dict:
     events = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
     total_us = sum(e.device_time_total for e in events)
     rows = sorted(events, key=lambda e: -e.device_time_total)[:top]
+    spans = [(e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type.name == "CUDA"]
     return {"kernels_per_step": sum(e.count for e in events) / steps, "gpu_us_per_step": total_us / steps,
+            "idle": {k: v / steps for k, v in idle_gaps(spans).items()},
             "top": [{"name": e.key[:80], "count_per_step": e.count / steps, "us_per_step": e.device_time_total / steps}
                     for e in rows]}
+
+
+def idle_gaps(spans: list[tuple[float, float]], long_us: float = 20.0) -> dict:
+    """Where the device idles between kernels, from their (start, end) times in us: gaps shorter than long_us
+    (between the kernels of one graph replay: the cost of a kernel boundary) and longer ones (the device waiting
+    for the host), each summed and counted.  Example: kernels at [0, 5], [6, 10], [40, 45] -> short 1 us (one
+    gap), long 30 us (one gap)."""
+    short_us = long_us_sum = 0.0
+    short_n = long_n = 0
+    ordered = sorted(spans)
+    end = ordered[0][1] if ordered else 0.0
+    for start, stop in ordered[1:]:
+        gap = start - end
+        if 0 < gap < long_us:
+            short_us, short_n = short_us + gap, short_n + 1
+        elif gap >= long_us:
+            long_us_sum, long_n = long_us_sum + gap, long_n + 1
+        end = max(end, stop)
+    return {"short_gap_us": short_us, "short_gaps": short_n, "long_gap_us": long_us_sum, "long_gaps": long_n}
 
 
 VARIANTS = {  # name -> make_engine options (the main table runs the engine's defaults)

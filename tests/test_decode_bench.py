@@ -29,3 +29,11 @@ def test_overlap_figures_need_the_variant_and_take_the_host_gap_from_its_profile
     figures = decode.overlap_figures(rows, 4.0)
     assert figures["step_ms_bs1_overlap"] == 5.0 and figures["floor_fraction_bs1_overlap"] == 0.8
     assert abs(figures["host_gap_ms_bs1_overlap"] - 0.1) < 1e-9
+
+
+def test_idle_gaps_split_kernel_boundaries_from_host_waits():
+    """The docstring's example, overlapping kernels (no gap) and the empty profile."""
+    assert decode.idle_gaps([(40, 45), (0, 5), (6, 10)]) == {"short_gap_us": 1, "short_gaps": 1, "long_gap_us": 30,
+                                                            "long_gaps": 1}
+    assert decode.idle_gaps([(0, 10), (2, 4), (10, 12)])["short_gaps"] == 0
+    assert decode.idle_gaps([]) == {"short_gap_us": 0, "short_gaps": 0, "long_gap_us": 0, "long_gaps": 0}
