@@ -3,7 +3,7 @@
 # default, ~300 s): (1) one team-like prefill, plain (the ragged layout, and the chunked form before it) and with
 # MTP k = 2 (its head's observe and first chain), each profiled (bench/prefill.py); (2) batch-16 steps of plain,
 # MTP k = 2 and MTP k = 2 over a 32,768-row draft vocabulary, profiled (bench/spec_steps.py).  Call 2
-# (JUDGE=1 PREFILL=0 STEPS=0, ~300 s): the judge at k <= 2, the candidate over that draft vocabulary; its record
+# (JUDGE=1 PREFILL=0 STEPS=0, ~300 s): the judge at k <= MTP_K (2), the candidate over that draft vocabulary; its record
 # holds each engine's steps, eager steps and their seconds per load.  Each stage has its own limit.
 # From a tree without ref-target, ref-draft and ref-head (the device copy's 64 MiB).
 # Usage on the device:  SPECDEC_COMMIT=<sha> [JUDGE=1 PREFILL=0 STEPS=0] bash bench/gpu_team.sh "$OUT"   (.whl carried)
@@ -22,7 +22,7 @@ fi
 [ "${STEPS:-1}" = 1 ] && stage steps ${STEPS_STAGE_S:-200} python3 bench/spec_steps.py --target ref-hybrid \
   --target-twin "$TWIN" --batch 16 --prompts 16 --tokens 48 --configs ${STEPS_CONFIGS:-plain,mtp-k2,mtp-k2-v32k} \
   --profile-steps ${PROFILE_STEPS:-4} --out "$OUT/spec-steps-bs16-twin27b-mtp-$TAG.json"
-[ "${JUDGE:-0}" = 1 ] && MTP_K=2 STEPS=0 KERNEL=0 CAND_EXTRA="${CAND_EXTRA---draft-vocab-size 32768}" \
+[ "${JUDGE:-0}" = 1 ] && MTP_K=${MTP_K:-2} STEPS=0 KERNEL=0 CAND_EXTRA="${CAND_EXTRA---draft-vocab-size 32768}" \
   JUDGE_STAGE_S=$((LIMIT - SECONDS - 15)) ALL_LIMIT_S=$((LIMIT - SECONDS)) \
   bash "$(dirname "$0")/gpu_hybrid_judge.sh" "$OUT"
 ls -la "$OUT"
