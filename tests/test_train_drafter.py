@@ -264,7 +264,7 @@ def test_model_arguments_take_short_names_and_refuse_unknown_ones(capsys):
     import argparse
 
     from specdec.assets import short_name_path
-    from specdec.train.drafter import model_dir_arg
+    from specdec.train.cli import model_dir_arg
 
     parser = argparse.ArgumentParser(prog="specdec train drafter")
     assert model_dir_arg(parser, "--target", "ref-target") == str(short_name_path("ref-target"))

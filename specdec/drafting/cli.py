@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from specdec.drafting.protocol import DEFAULT_K
+from specdec.engine_args import add_engine_args, engine_kwargs
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -20,7 +21,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def cmd_heldout(args: argparse.Namespace) -> int:
     from specdec import LLM
     from specdec.assets import heldout_prompts_path
-    from specdec.cli import engine_kwargs
     from specdec.data.corpus import write_jsonl
     from specdec.drafting.heldout import make_heldout, read_jsonl
 
@@ -73,8 +73,6 @@ def add_client_args(parser: argparse.ArgumentParser) -> None:
 def add_draft_parser(sub) -> None:
     draft = sub.add_parser("draft", help="drafters as services: serve, held-out set, verify, self-check")
     actions = draft.add_subparsers(dest="draft_command", required=True)
-
-    from specdec.cli import add_engine_args
 
     serve = actions.add_parser("serve", help="serve a drafter on GET /health and POST /draft")
     serve.add_argument("drafter", help="drafter model directory, or a bundled short name (ref-draft)")

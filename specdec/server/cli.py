@@ -5,12 +5,11 @@ from __future__ import annotations
 import argparse
 import os
 
+from specdec.engine_args import add_engine_args, engine_kwargs
 from specdec.speculate.config import add_spec_args, spec_config_from_args
 
 
 def add_serve_parser(subparsers) -> argparse.ArgumentParser:
-    from specdec.cli import add_engine_args  # here, not at the top: specdec.cli imports this module
-
     p = subparsers.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
     p.add_argument("model", help="Hugging Face model directory, or a bundled short name (ref-target)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
@@ -32,7 +31,6 @@ def default_model_name(args: argparse.Namespace) -> str:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from specdec.cli import engine_kwargs
     from specdec.server.app import create_app
     from specdec.server.engine_process import EngineProcess, EngineSpec
     from specdec.parent_watch import exit_with_parent

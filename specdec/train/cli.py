@@ -25,3 +25,13 @@ def add_train_parser(sub) -> None:
 def run_train(args: argparse.Namespace) -> int:
     module = importlib.import_module(COMMANDS[args.what][0])
     return int(module.main(args.args) or 0)
+
+
+def model_dir_arg(parser: argparse.ArgumentParser, flag: str, value: str) -> str:
+    """A model directory from a short name (ref-target, ref-draft) or a path; a clear CLI error otherwise."""
+    from specdec.assets import resolve_model
+
+    try:
+        return str(resolve_model(value))
+    except FileNotFoundError as exc:
+        parser.error(f"{flag}: {exc}")

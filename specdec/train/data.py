@@ -41,7 +41,6 @@ def load_prompt_sources(sources: Sequence[str], target_dir: Path, n_prompts: int
         tag = f"s{number}"
         if path.is_dir() and (path / "manifest.json").is_file():
             from specdec.data.bpe import load_tokenizer
-            from specdec.train.distill import sample_prompts
             from specdec.train.lm import load_corpus_tokens
 
             docs = load_corpus_tokens(path, load_tokenizer(target_dir), "train", progress=False)
@@ -206,3 +205,18 @@ def generate_continuations(llm_factory, prompts: Sequence[dict], cache_dir: Path
     if topk and todo:
         done = {r["id"]: r for r in read_shards(cache_dir, topk)}
     return [done[p["id"]] for p in prompts]
+
+
+def sample_prompts(docs: Sequence[np.ndarray], n: int, min_len: int = 32, max_len: int = 384,
+                   seed: int = 0) -> list[np.ndarray]:
+    """``n`` prompts: prefixes of random documents (with more than ``min_len`` tokens) of a random
+    length in ``[min_len, min(max_len, len(doc) - 1)]`` tokens."""
+    rng = np.random.default_rng(seed)
+    eligible = [d for d in docs if len(d) > min_len + 1]
+    if not eligible:
+        raise ValueError(f"no document is longer than {min_len + 1} tokens")
+    prompts = []
+    for i in rng.integers(0, len(eligible), size=n):
+        doc = eligible[i]
+        prompts.append(doc[: int(rng.integers(min_len, min(max_len, len(doc) - 1) + 1))])
+    return prompts

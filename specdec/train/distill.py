@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from specdec.drafting.walk import walk
+from specdec.train.data import sample_prompts
 from specdec.train.lm import (
     DRAFT_SHAPE,
     ModelShape,
@@ -166,21 +167,6 @@ def greedy_continuations(
             break
     bar.close()
     return results
-
-
-def sample_prompts(docs: Sequence[np.ndarray], n: int, min_len: int = 32, max_len: int = 384,
-                   seed: int = 0) -> list[np.ndarray]:
-    """``n`` prompts: prefixes of random documents (with more than ``min_len`` tokens) of a random
-    length in ``[min_len, min(max_len, len(doc) - 1)]`` tokens."""
-    rng = np.random.default_rng(seed)
-    eligible = [d for d in docs if len(d) > min_len + 1]
-    if not eligible:
-        raise ValueError(f"no document is longer than {min_len + 1} tokens")
-    prompts = []
-    for i in rng.integers(0, len(eligible), size=n):
-        doc = eligible[i]
-        prompts.append(doc[: int(rng.integers(min_len, min(max_len, len(doc) - 1) + 1))])
-    return prompts
 
 
 def build_distill_pairs(target, docs: Sequence[np.ndarray], n_prompts: int, min_prompt: int = 32,
@@ -431,7 +417,7 @@ def main(argv: list[str] | None = None) -> int:
     add_shape_args(parser, DRAFT_SHAPE)
     add_train_args(parser, DistillConfig())
     args = parser.parse_args(argv)
-    from specdec.train.drafter import model_dir_arg
+    from specdec.train.cli import model_dir_arg
 
     args.target = model_dir_arg(parser, "--target", args.target)
     if args.max_steps is None and args.max_minutes is None:

@@ -46,6 +46,7 @@ import torch
 
 from specdec.train.distill import DistillConfig, PairBatcher, acceptance_tau, distill_loss, draft_matches
 from specdec.train.checkpoint import Checkpoint, RunMismatchError, check_run_identity  # noqa: F401 (re-exported)
+from specdec.train.cli import model_dir_arg
 from specdec.train.data import (  # noqa: F401 (re-exported)
     SHARD_PREFIX, TOPK_SUFFIX, HeldoutOverlapError, check_overlap, generate_continuations, load_or_make_heldout,
     load_prompt_sources, read_shards, write_topk)
@@ -435,16 +436,6 @@ def _run_pipeline(run: DrafterRun, quiet: bool, rank: int, world: int) -> dict:
             log("agreement", **result["agreement_with_bf16"])
     (out / "result.json").write_text(json.dumps(result, indent=1) + "\n")
     return result
-
-
-def model_dir_arg(parser: argparse.ArgumentParser, flag: str, value: str) -> str:
-    """A model directory from a short name (ref-target, ref-draft) or a path; a clear CLI error otherwise."""
-    from specdec.assets import resolve_model
-
-    try:
-        return str(resolve_model(value))
-    except FileNotFoundError as exc:
-        parser.error(f"{flag}: {exc}")
 
 
 def main(argv: list[str] | None = None) -> int:

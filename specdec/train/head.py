@@ -412,7 +412,7 @@ def run_pipeline(run: HeadRun, progress: bool = True) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from specdec.train.drafter import model_dir_arg
+    from specdec.train.cli import model_dir_arg
 
     parser = argparse.ArgumentParser(prog="specdec train head", description=__doc__.split("\n")[0])
     parser.add_argument("--target", required=True, help="target model directory or short name (ref-target)")
