@@ -13,7 +13,7 @@ import torch
 
 from specdec import LLM, SamplingParams
 from specdec.train import lm
-from specdec.train.hybrid import HYBRID_TARGET_SHAPE, HybridShape, layer_types, mrope_section, qwen3_5_config
+from specdec.train.shapes import HYBRID_TARGET_SHAPE, HybridShape, layer_types, mrope_section, qwen3_5_config
 
 REPO = Path(__file__).resolve().parents[1]
 TOKENIZER = REPO / "specdec" / "assets" / "ref-target"  # the reference pair's BPE (8192 tokens)

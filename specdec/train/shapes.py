@@ -1,4 +1,6 @@
-"""The Qwen3.5-shaped (hybrid) target of the pre-training pipeline: its shape and its transformers config.
+"""The models the training pipeline builds, less their vocabulary (taken from the tokenizer): a Qwen3
+(``ModelShape``: ref-target's and ref-draft's) or a Qwen3.5-shaped hybrid (``HybridShape``), and the
+transformers config of each.
 
 Qwen3.5 interleaves Gated DeltaNet layers (``linear_attention``: a recurrent state per head, no KV cache) with
 gated full-attention layers, one full-attention layer every ``full_attention_interval`` layers (4 in every
@@ -11,7 +13,53 @@ from __future__ import annotations
 
 import dataclasses
 
-from specdec.train.lm import ModelShape, config_kwargs
+
+@dataclasses.dataclass
+class ModelShape:
+    """Architecture of a Qwen3 model, less the vocabulary (taken from the tokenizer)."""
+
+    hidden_size: int = 384
+    num_layers: int = 8
+    num_heads: int = 6
+    num_kv_heads: int = 2
+    head_dim: int = 64
+    intermediate_size: int = 960
+    max_position_embeddings: int = 2048
+    rope_theta: float = 10000.0
+    tie_word_embeddings: bool = True
+
+
+TARGET_SHAPE = ModelShape()
+ARCHS = ("qwen3", "qwen3_5")
+DRAFT_SHAPE = ModelShape(hidden_size=256, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=64, intermediate_size=768)
+
+
+def config_kwargs(shape: ModelShape, vocab_size: int, eos_token_id: int, pad_token_id: int | None = None) -> dict:
+    """The transformers config fields every architecture takes from a ``ModelShape`` (no BOS; pad = EOS unless
+    given). ``rope_parameters`` holds default RoPE at ``rope_theta``; an architecture may add to it."""
+    return dict(
+        vocab_size=vocab_size,
+        hidden_size=shape.hidden_size,
+        intermediate_size=shape.intermediate_size,
+        num_hidden_layers=shape.num_layers,
+        num_attention_heads=shape.num_heads,
+        num_key_value_heads=shape.num_kv_heads,
+        head_dim=shape.head_dim,
+        max_position_embeddings=shape.max_position_embeddings,
+        rope_parameters={"rope_type": "default", "rope_theta": float(shape.rope_theta)},
+        tie_word_embeddings=shape.tie_word_embeddings,
+        bos_token_id=None,
+        eos_token_id=eos_token_id,
+        pad_token_id=eos_token_id if pad_token_id is None else pad_token_id,
+    )
+
+
+def qwen3_config(shape: ModelShape, vocab_size: int, eos_token_id: int, pad_token_id: int | None = None):
+    """A ``transformers.Qwen3Config`` for ``shape`` (default RoPE, no sliding window, no bias)."""
+    from transformers import Qwen3Config
+
+    return Qwen3Config(**config_kwargs(shape, vocab_size, eos_token_id, pad_token_id), use_sliding_window=False,
+                       architectures=["Qwen3ForCausalLM"])
 
 
 @dataclasses.dataclass
@@ -69,3 +117,18 @@ def qwen3_5_config(shape: HybridShape, vocab_size: int, eos_token_id: int, pad_t
                                      mrope_section=mrope_section(rotary_dim), mrope_interleaved=True)
     linear = {name: getattr(shape, name) for name in LINEAR_FIELDS}
     return Qwen3_5TextConfig(**kwargs, **linear, layer_types=layer_types(shape), architectures=["Qwen3_5ForCausalLM"])
+
+
+def target_shape(arch: str) -> ModelShape:
+    """The default target shape of ``arch`` (``qwen3``: ref-target's; ``qwen3_5``: the hybrid's)."""
+    if arch not in ARCHS:
+        raise ValueError(f"unknown architecture {arch!r}: choose one of {', '.join(ARCHS)}")
+    if arch == "qwen3_5":
+        return HYBRID_TARGET_SHAPE
+    return TARGET_SHAPE
+
+
+def model_config(shape: ModelShape, vocab_size: int, eos_token_id: int, pad_token_id: int | None = None):
+    """The transformers config of ``shape``: Qwen3.5 text for a ``HybridShape``, Qwen3 otherwise."""
+    build = qwen3_5_config if isinstance(shape, HybridShape) else qwen3_config
+    return build(shape, vocab_size, eos_token_id, pad_token_id)
