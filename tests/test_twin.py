@@ -8,7 +8,8 @@ import torch
 from specdec import LLM, ConfigError, SamplingParams
 from specdec.engine.engine import Engine, EngineConfig
 from specdec.models.loader import load_model
-from specdec.models.twin import head_dim_map, make_twin, save_twin
+from specdec.models.twin import make_twin, save_twin
+from specdec.models.twin_builder import head_dim_map
 from tests.checkpoints import save_tiny
 
 SHAPE = dict(hidden_size=64, intermediate_size=160, num_hidden_layers=3, num_attention_heads=8,

@@ -10,7 +10,8 @@ from specdec import LLM, ConfigError, SamplingParams
 from specdec.engine.engine import Engine, EngineConfig
 from specdec.models.config import ModelConfig
 from specdec.models.loader import load_model
-from specdec.models.twin import SHAPES, head_dim_map, make_twin, twin_config
+from specdec.models.twin import SHAPES, make_twin, twin_config
+from specdec.models.twin_builder import head_dim_map
 from specdec.models.twin_qwen3_5 import layer_placement
 from specdec.speculate import SpecConfig
 from tests.test_mtp import save_with_mtp

@@ -33,7 +33,8 @@ from specdec.models.config import ModelConfig
 from specdec.models.eagle3 import Eagle3Config, Eagle3Head, default_feature_layers
 from specdec.models.layers import Rotary
 from specdec.models.transformer import CausalLM
-from specdec.models.twin import CONSTANT_SCALE, LOGIT_MARGIN, SHAPES, _CastingDict, _rows, head_dim_map, q_head_map
+from specdec.models.twin import CONSTANT_SCALE, LOGIT_MARGIN, SHAPES
+from specdec.models.twin_builder import CastingDict, head_dim_map, head_rows, q_head_map
 
 HEAD_DRAFT_VOCAB = 32000  # the published Qwen3 EAGLE-3 heads' draft vocabulary
 HEAD_FIELDS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim")
@@ -157,8 +158,8 @@ class _HeadBuilder:
         sl, bl = small.config.layer, big.layer
         self.h, self.H = sl.hidden_size, bl.hidden_size
         self.dmap = head_dim_map(sl.head_dim, bl.head_dim).to(device)
-        self.q_rows = _rows(q_head_map(sl, bl).to(device), self.dmap, bl.head_dim)  # [Q d]
-        self.kv_rows = _rows(torch.arange(sl.num_key_value_heads, device=device), self.dmap, bl.head_dim)  # [K d]
+        self.q_rows = head_rows(q_head_map(sl, bl).to(device), self.dmap, bl.head_dim)  # [Q d]
+        self.kv_rows = head_rows(torch.arange(sl.num_key_value_heads, device=device), self.dmap, bl.head_dim)  # [K d]
         self.norm_scale = math.sqrt(self.h / self.H)
 
     def fill(self, shape) -> torch.Tensor:
@@ -373,7 +374,7 @@ def _small_layers(head: Eagle3Head, small_target: CausalLM | None) -> int:
 
 def _weights(head, big, target, noise, device, k, u, own) -> dict:
     builder = _HeadBuilder(head, big, target, noise, device)
-    state = _CastingDict(head.lm_head.weight.dtype)
+    state = CastingDict(head.lm_head.weight.dtype)
     state["fc.weight"] = builder.fc(k)
     builder.layer(state)
     builder.vocab(state, u)

@@ -1,6 +1,6 @@
 """Scaled twins of Qwen3.5 hybrids: the parts specdec/models/twin.py's Qwen3 construction does not cover.
 
-Shared with Qwen3 (twin.py's _Builder): the residual stream's constant dimension h, the padded vocabulary, the
+Shared with Qwen3 (twin_builder.py's Builder): the residual stream's constant dimension h, the padded vocabulary, the
 MLP, and the full-attention layers, here with Qwen3.5's conventions handled there: zero-centred norms store
 w' with (1 + w') = (1 + w) x scale, the gated q_proj's gate dims sit beside the query dims of the same head,
 and partial rotary maps the r rotated dims of a head onto the R rotated dims of a twin head (head_dim_map).
@@ -28,7 +28,7 @@ import torch
 
 from specdec.errors import ConfigError
 from specdec.models.config import ModelConfig
-from specdec.models.twin import _Builder, _CastingDict, _rows, grouped_head_map
+from specdec.models.twin_builder import Builder, CastingDict, grouped_head_map, head_rows
 
 OUTPUT_PROJECTIONS = ("self_attn.o_proj.weight", "linear_attn.out_proj.weight", "mlp.down_proj.weight")
 
@@ -81,8 +81,8 @@ def layer_placement(small_kinds: tuple[str, ...], big_kinds: tuple[str, ...]) ->
     return placement
 
 
-class HybridBuilder(_Builder):
-    """_Builder plus Gated DeltaNet layers, layer placement and identity blocks of either type."""
+class HybridBuilder(Builder):
+    """Builder plus Gated DeltaNet layers, layer placement and identity blocks of either type."""
 
     def __init__(self, small, small_config: ModelConfig, big_config: ModelConfig, noise: float, device, dtype):
         super().__init__(small, small_config, big_config, noise, device, dtype)
@@ -92,8 +92,8 @@ class HybridBuilder(_Builder):
         value_heads = grouped_head_map(s.linear_num_value_heads, _value_group(s), _value_group(b)).to(device)
         key_heads = torch.arange(s.linear_num_key_heads, device=device)
         self.value_heads = value_heads  # [Hv]: twin value head of each small one
-        self.key_rows = _rows(key_heads, torch.arange(s.linear_key_head_dim, device=device), b.linear_key_head_dim)
-        self.value_rows = _rows(value_heads, torch.arange(s.linear_value_head_dim, device=device),
+        self.key_rows = head_rows(key_heads, torch.arange(s.linear_key_head_dim, device=device), b.linear_key_head_dim)
+        self.value_rows = head_rows(value_heads, torch.arange(s.linear_value_head_dim, device=device),
                                 b.linear_value_head_dim)  # [Hv Dv]
         # conv channels [q | k | v]: q and k blocks are Hk' Dk' wide each.  Example, Hk = 1, Dk = 2 into Hk' = 2,
         # Dk' = 2 (key width 4): q -> [0, 1], k -> 4 + [0, 1] = [4, 5], v -> 8 + value_rows
@@ -168,7 +168,7 @@ def make_mtp_twin(head, twin) -> torch.nn.Module:
     small, big = head.config.layer, MTPConfig.for_target(twin.config).layer
     weight = twin.lm_head.weight
     builder = HybridBuilder(head, small, big, 0.0, weight.device, weight.dtype)
-    state = _CastingDict(weight.dtype)
+    state = CastingDict(weight.dtype)
     builder.hidden_norm("pre_fc_norm_embedding.weight", "pre_fc_norm_embedding.weight", state)
     builder.hidden_norm("pre_fc_norm_hidden.weight", "pre_fc_norm_hidden.weight", state)
     state["fc.weight"] = _mtp_fc(builder)
