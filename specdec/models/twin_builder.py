@@ -44,15 +44,32 @@ def head_rows(heads: torch.Tensor, dims: torch.Tensor, big_d: int) -> torch.Tens
     return (heads[:, None] * big_d + dims[None, :]).reshape(-1)
 
 
-class Builder:
+class Padding:
+    """What every twin builder starts from: the small module's weights, read in float32, and new weights filled
+    with zeros or, given noise, N(0, noise^2) from a seeded generator."""
+
+    def __init__(self, small: torch.nn.Module, noise: float, device):
+        self.s, self.noise, self.device = small, noise, device
+        self.gen = torch.Generator(device=device).manual_seed(0)
+
+    def fill(self, shape) -> torch.Tensor:
+        t = torch.zeros(shape, device=self.device, dtype=torch.float32)
+        if self.noise:
+            t.normal_(0.0, self.noise, generator=self.gen)
+        return t
+
+    def small(self, name: str) -> torch.Tensor:
+        return self.s.get_parameter(name).detach().to(self.device, torch.float32)
+
+
+class Builder(Padding):
     """Pads the parts one layer is made of.  Methods take the small weight's name prefix `src` and the twin's
     `dst` (the same for a model; an MTP head's small weights come from its own module)."""
 
     def __init__(self, small: torch.nn.Module, small_config: ModelConfig, big_config: ModelConfig, noise: float,
                  device, dtype):
-        self.s, self.sc, self.bc = small, small_config, big_config
-        self.noise, self.device, self.dtype = noise, device, dtype
-        self.gen = torch.Generator(device=device).manual_seed(0)
+        super().__init__(small, noise, device)
+        self.sc, self.bc, self.dtype = small_config, big_config, dtype
         s, b = self.sc, self.bc
         self.dmap = head_dim_map(s.head_dim, b.head_dim, s.rotary_dim, b.rotary_dim).to(device)
         q_heads = q_head_map(s, b).to(device)
@@ -64,15 +81,6 @@ class Builder:
         self.h = s.hidden_size
         self.norm_scale = math.sqrt(s.hidden_size / b.hidden_size)
         self.centred = s.zero_centred_norm  # Qwen3.5's RMSNorm scales by (1 + w)
-
-    def fill(self, shape) -> torch.Tensor:
-        t = torch.zeros(shape, device=self.device, dtype=torch.float32)
-        if self.noise:
-            t.normal_(0.0, self.noise, generator=self.gen)
-        return t
-
-    def small(self, name: str) -> torch.Tensor:
-        return self.s.get_parameter(name).detach().to(self.device, torch.float32)
 
     def linear(self, name: str, rows: torch.Tensor | slice, cols: torch.Tensor | slice, shape, zero_rows=()):
         w = self.fill(shape)

@@ -34,7 +34,7 @@ from specdec.models.eagle3 import Eagle3Config, Eagle3Head, default_feature_laye
 from specdec.models.layers import Rotary
 from specdec.models.transformer import CausalLM
 from specdec.models.twin import CONSTANT_SCALE, LOGIT_MARGIN, SHAPES
-from specdec.models.twin_builder import CastingDict, head_dim_map, head_rows, q_head_map
+from specdec.models.twin_builder import CastingDict, Padding, head_dim_map, head_rows, q_head_map
 
 HEAD_DRAFT_VOCAB = 32000  # the published Qwen3 EAGLE-3 heads' draft vocabulary
 HEAD_FIELDS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim")
@@ -148,28 +148,18 @@ def _problems(small: Eagle3Config, big: ModelConfig, target: TwinTarget, shape: 
 # ---------------------------------------------------------------------------------------------- weights
 
 
-class _HeadBuilder:
+class _HeadBuilder(Padding):
     """The twin's weights from the small head's, for constants k (dimension h) and u (padded draft rows)."""
 
     def __init__(self, small: Eagle3Head, big: Eagle3Config, target: TwinTarget, noise: float, device):
-        self.s, self.sc, self.bc, self.t = small, small.config, big, target
-        self.noise, self.device = noise, device
-        self.gen = torch.Generator(device=device).manual_seed(0)
+        super().__init__(small, noise, device)
+        self.sc, self.bc, self.t = small.config, big, target
         sl, bl = small.config.layer, big.layer
         self.h, self.H = sl.hidden_size, bl.hidden_size
         self.dmap = head_dim_map(sl.head_dim, bl.head_dim).to(device)
         self.q_rows = head_rows(q_head_map(sl, bl).to(device), self.dmap, bl.head_dim)  # [Q d]
         self.kv_rows = head_rows(torch.arange(sl.num_key_value_heads, device=device), self.dmap, bl.head_dim)  # [K d]
         self.norm_scale = math.sqrt(self.h / self.H)
-
-    def fill(self, shape) -> torch.Tensor:
-        t = torch.zeros(shape, device=self.device, dtype=torch.float32)
-        if self.noise:
-            t.normal_(0.0, self.noise, generator=self.gen)
-        return t
-
-    def small(self, name: str) -> torch.Tensor:
-        return self.s.get_parameter(name).detach().to(self.device, torch.float32)
 
     def fc(self, k: float) -> torch.Tensor:
         """[H, 3 H_t]: block b's real columns read the small target's dims, row h reads the constant.
