@@ -195,8 +195,28 @@ VARIANTS = {  # name -> make_engine options (the main table runs the engine's de
     # 64 spreads a batch-1 step of 512 keys over 8 partitions, 4096 over one (no merge kernel)
     "partitions-64": dict(min_partition=64),
     "partitions-4096": dict(min_partition=4096),
+    # every projection weight stored column-major: cuBLAS runs x @ W^T as another GEMM kind (no split-K?)
+    "column-major-weights": dict(column_major=True),
 }
 CPU_VARIANTS = ("overlap-steps",)  # those the CPU dry run (--tiny) runs too: no compile, no CUDA needed
+
+
+def store_weights(model, column_major: bool) -> None:
+    """Every projection weight stored column-major ([in, out] in memory; the same [out, in] tensor), or back
+    row-major: cuBLAS then multiplies x @ W^T as another kind of GEMM and picks other kernels (issue 21's weight
+    layouts).  Fused q/k/v and gate/up weights move as one (FusedProjection.set_weight re-points their layers)."""
+    def laid(w: torch.Tensor) -> torch.Tensor:
+        return w.t().contiguous().t() if column_major else w.contiguous()
+
+    fused = set()
+    for module in model.modules():
+        for proj in (getattr(module, "qkv", None), getattr(module, "gate_up", None)):
+            if proj is not None:
+                proj.set_weight(laid(proj.weight))
+                fused.update(id(layer) for layer in proj.layers)
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear) and id(module) not in fused:
+            module.weight.data = laid(module.weight.data)
 
 
 def set_min_partition(keys: int | None) -> int | None:
@@ -219,10 +239,13 @@ def variant_rows(model, args, vocab: int, gen, device, save=lambda rows: None) -
         options = dict(VARIANTS[name])
         writer = Kernels.qk_rope_write if options.pop("qk_rope_write", True) else None
         min_partition = options.pop("min_partition", None)
+        column_major = options.pop("column_major", False)
         for batch in (int(b) for b in args.variant_batches.split(",")):
             t0 = time.perf_counter()
             saved, Kernels.qk_rope_write = Kernels.qk_rope_write, writer
             saved_partition = set_min_partition(min_partition)
+            if column_major:
+                store_weights(model, column_major=True)
             try:
                 engine = make_engine(model, batch, context, batch * 64 + context + 64 * (args.max_k + 2) * batch,
                                      **options)
@@ -241,6 +264,9 @@ def variant_rows(model, args, vocab: int, gen, device, save=lambda rows: None) -
             finally:
                 Kernels.qk_rope_write = saved
                 set_min_partition(saved_partition)
+                if column_major:
+                    engine = None  # its graphs read the weights about to move
+                    store_weights(model, column_major=False)
             rows[-1]["setup_s"] = time.perf_counter() - t0
             print(name, {k: v for k, v in rows[-1].items() if k != "profile"}, flush=True)
             save(rows)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import torch
+
 from bench import decode
 
 
@@ -37,3 +39,23 @@ def test_idle_gaps_split_kernel_boundaries_from_host_waits():
                                                             "long_gaps": 1}
     assert decode.idle_gaps([(0, 10), (2, 4), (10, 12)])["short_gaps"] == 0
     assert decode.idle_gaps([]) == {"short_gap_us": 0, "short_gaps": 0, "long_gap_us": 0, "long_gaps": 0}
+
+
+def test_column_major_weights_keep_the_function_and_the_fused_views():
+    """store_weights moves every projection to column-major storage and back: the logits stay the same, the
+    fused q/k/v and gate/up weights keep serving their layers (no fallback to one GEMM each)."""
+    from specdec.engine.engine import Engine, EngineConfig
+    from specdec.models.config import ModelConfig
+    from specdec.models.loader import random_model
+
+    model = random_model(ModelConfig.from_dict(decode.TINY), torch.device("cpu"), torch.float32, seed=0)
+    engine = Engine(model, EngineConfig(kv_cache_tokens=256, max_num_seqs=2))
+    ids = list(range(3, 40))
+    before = engine.all_logits(ids)
+    attn = model.model.layers[0].self_attn
+    decode.store_weights(model, column_major=True)
+    assert not attn.o_proj.weight.is_contiguous() and attn.o_proj.weight.t().is_contiguous()
+    assert not attn.qkv.weight.is_contiguous() and attn.qkv.valid() and model.model.layers[0].mlp.gate_up.valid()
+    torch.testing.assert_close(engine.all_logits(ids), before, atol=1e-5, rtol=1e-5)
+    decode.store_weights(model, column_major=False)
+    assert attn.o_proj.weight.is_contiguous() and attn.qkv.weight.is_contiguous() and attn.qkv.valid()

@@ -23,14 +23,19 @@ class FusedProjection:
     def __init__(self, layers: list[nn.Linear]):
         self.layers = layers
         self.sizes = [layer.out_features for layer in layers]
-        self.weight = torch.cat([layer.weight.detach() for layer in layers])  # [sum(out), in]
         has_bias = layers[0].bias is not None
         self.bias = torch.cat([layer.bias.detach() for layer in layers]) if has_bias else None
-        for layer, w in zip(layers, self.weight.split(self.sizes)):
-            layer.weight.data = w
         if has_bias:
             for layer, b in zip(layers, self.bias.split(self.sizes)):
                 layer.bias.data = b
+        self.set_weight(torch.cat([layer.weight.detach() for layer in layers]))  # [sum(out), in]
+
+    def set_weight(self, weight: torch.Tensor) -> None:
+        """Use `weight` [sum(out), in] (the layers' weights stacked, in any memory layout) and point each layer's
+        weight at its slice of it."""
+        self.weight = weight
+        for layer, w in zip(self.layers, weight.split(self.sizes)):
+            layer.weight.data = w
         self._ptrs = self._current_ptrs()
 
     @staticmethod
