@@ -102,6 +102,27 @@ def test_fused_kernels_fall_back_to_plain_ones_when_compiling_fails(monkeypatch,
     assert "fused kernels unavailable" in caplog.text  # (here: no CUDA tensors or no Triton, whichever first)
 
 
+def test_a_failing_fused_kv_write_leaves_the_compiled_pieces_on(monkeypatch, caplog):
+    """The q/k norm, rotary and KV write kernel is tried on its own: if it fails, the compiled pieces stay in
+    use, attention layers write as before, and a warning names the kernel."""
+    from specdec.models import fused
+
+    for name in (*fused.PLAIN, "fused", "qk_rope_write"):  # restored after the test
+        monkeypatch.setattr(fused.Kernels, name, fused.Kernels.__dict__[name])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(fused, "compile_all", lambda: dict(fused.PLAIN))
+    monkeypatch.setattr(fused, "_try_compiled", lambda compiled: None)
+
+    def broken_writer():
+        raise RuntimeError("no sm_90 here")
+
+    monkeypatch.setattr(fused, "_tried_qk_rope_write", broken_writer)
+    with caplog.at_level("WARNING", logger="specdec"):
+        assert fused.enable_fused_kernels() is True
+    assert fused.Kernels.fused and fused.Kernels.qk_rope_write is None
+    assert "q/k norm, rotary and KV write unavailable" in caplog.text and "no sm_90 here" in caplog.text
+
+
 def test_plain_kernels_swap_compiled_pieces_out_for_a_while(monkeypatch):
     from specdec.models import fused
 

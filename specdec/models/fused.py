@@ -145,16 +145,22 @@ def enable_fused_kernels() -> bool:
     compiled = compile_all()
     try:
         _try_compiled(compiled)
-        writer = _tried_qk_rope_write()
     except Exception as exc:  # noqa: BLE001 - any compiler failure means: run the plain kernels
-        import logging
-
-        logging.getLogger("specdec").warning("fused kernels unavailable (%s: %s); using plain PyTorch ones",
-                                             type(exc).__name__, str(exc).splitlines()[0][:200])
+        _warn_unavailable("fused kernels", exc)
         return False
     use_compiled(compiled)
-    Kernels.qk_rope_write = staticmethod(writer)
+    try:
+        Kernels.qk_rope_write = staticmethod(_tried_qk_rope_write())
+    except Exception as exc:  # noqa: BLE001 - the compiled pieces stay; attention layers write as before
+        _warn_unavailable("the fused q/k norm, rotary and KV write", exc)
     return True
+
+
+def _warn_unavailable(what: str, exc: Exception) -> None:
+    import logging
+
+    logging.getLogger("specdec").warning("%s unavailable (%s: %s); using plain PyTorch ones", what,
+                                         type(exc).__name__, str(exc).splitlines()[0][:200])
 
 
 def compile_all(backend: str = "inductor") -> dict:
