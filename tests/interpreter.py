@@ -28,8 +28,10 @@ def run_child(test_file: str, min_passed: int, parent_tests: int = 1) -> None:
     """pytest on test_file under TRITON_INTERPRET=1: it passes, at least min_passed cases ran and only the
     file's parent_tests (the caller, any GPU test) were skipped."""
     repo = Path(__file__).resolve().parents[1]
+    # without the parent's PYTEST_ADDOPTS: a --basetemp there would make the child wipe the parent's tmp_path
+    env = {key: value for key, value in os.environ.items() if key != "PYTEST_ADDOPTS"}
     child = subprocess.run([sys.executable, "-m", "pytest", test_file, "-p", "no:cacheprovider", "-rs"], cwd=repo,
-                           env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True, timeout=600)
+                           env={**env, "TRITON_INTERPRET": "1"}, capture_output=True, text=True, timeout=600)
     report = child.stdout[-8000:] + child.stderr[-2000:]
     assert child.returncode == 0, report
     passed, skipped = (re.search(rf"(\d+) {word}", child.stdout) for word in ("passed", "skipped"))

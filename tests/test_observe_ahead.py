@@ -99,7 +99,8 @@ def test_the_heads_state_after_each_step_is_what_the_late_observe_leaves(qwen3_d
             if sa is None or sa.last is None:
                 continue
             assert sa.computed == sb.computed == a.num_computed
-            torch.testing.assert_close(sa.last, sb.last, rtol=1e-4, atol=1e-5)
+            # the two heads run at different batch shapes: float32 sums round apart by ~2e-5 on some CPUs
+            torch.testing.assert_close(sa.last, sb.last, rtol=1e-4, atol=1e-4)
             assert (sa.last_logits is None) == (sb.last_logits is None)
             if sa.last_logits is not None:
                 torch.testing.assert_close(sa.last_logits, sb.last_logits, rtol=1e-4, atol=1e-4)
