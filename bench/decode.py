@@ -275,6 +275,15 @@ def variant_rows(model, args, vocab: int, gen, device, save=lambda rows: None) -
     return rows
 
 
+def idle_split(profile: dict) -> dict:
+    """The host gap's two parts per step, from a profile's idle gaps: the device waiting for the host
+    (host_wait_ms_bs1: gaps of 20 us or more) and kernel boundaries inside graph replays (the shorter gaps)."""
+    idle = profile.get("idle")
+    if not idle:
+        return {}
+    return {"host_wait_ms_bs1": idle["long_gap_us"] / 1e3, "kernel_boundaries_ms_bs1": idle["short_gap_us"] / 1e3}
+
+
 def overlap_figures(variants: list[dict], floor_ms: float) -> dict:
     """Issue 21's batch-1 figures with overlapped steps, from the overlap-steps variant's batch-1 row: its step
     time, share of the memory floor and (with a kernel profile, on a GPU) the host gap left between steps."""
@@ -367,6 +376,7 @@ def main(argv=None) -> int:
     results["step_ms_bs1"] = bs1["step_ms"]
     if "profile" in bs1:  # the share of a step the GPU waits for the host: its wall time less its kernels' time
         results["host_gap_ms_bs1"] = max(0.0, bs1["step_ms"] - bs1["profile"]["gpu_us_per_step"] / 1e3)
+        results.update(idle_split(bs1["profile"]))
     results["attention_backend"] = args.attention_backend or "sdpa"
     results.update(commit=results["env"].get("commit"), date=results["env"].get("date"))
     for b in (1, 32):  # issue 21's figures: a verify step of 7 drafts against a plain step

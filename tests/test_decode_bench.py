@@ -59,3 +59,9 @@ def test_column_major_weights_keep_the_function_and_the_fused_views():
     torch.testing.assert_close(engine.all_logits(ids), before, atol=1e-5, rtol=1e-5)
     decode.store_weights(model, column_major=False)
     assert attn.o_proj.weight.is_contiguous() and attn.qkv.weight.is_contiguous() and attn.qkv.valid()
+
+
+def test_the_host_gap_splits_into_host_waits_and_kernel_boundaries():
+    profile = {"idle": {"short_gap_us": 300.0, "short_gaps": 550, "long_gap_us": 40.0, "long_gaps": 1}}
+    assert decode.idle_split(profile) == {"host_wait_ms_bs1": 0.04, "kernel_boundaries_ms_bs1": 0.3}
+    assert decode.idle_split({"gpu_us_per_step": 1.0}) == {}
