@@ -156,3 +156,25 @@ def test_the_kernel_compiles_for_hopper(has_norm):
     source = ASTSource(fn=compiled._qk_rope_write_kernel, signature=signature, constexprs=constants)
     ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
     assert ".entry _qk_rope_write_kernel" in ptx and "st.global" in ptx
+
+
+def test_a_step_traced_by_torch_compile_keeps_the_plain_pieces(monkeypatch):
+    """Inside torch.compile (compile_graphs) the layer takes heads() and attend(), which inductor fuses itself,
+    not the Triton writer."""
+    from specdec.models.attention import AttentionBatch
+    from specdec.models.config import ModelConfig
+    from specdec.models.loader import random_model
+
+    config = ModelConfig.from_dict(dict(architectures=["Qwen3ForCausalLM"], hidden_size=32, intermediate_size=64,
+                                        num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                                        head_dim=8, vocab_size=64, max_position_embeddings=64, rms_norm_eps=1e-6,
+                                        rope_theta=10000.0, tie_word_embeddings=False))
+    model = random_model(config, "cpu", torch.float32)
+    attn = model.model.layers[0].self_attn
+    calls = []
+    monkeypatch.setattr(fused.Kernels, "qk_rope_write", staticmethod(lambda *a: calls.append(a)))
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    caches = (torch.zeros(16, 2, 8), torch.zeros(16, 2, 8))
+    batch = AttentionBatch(torch.tensor([0, 2]), torch.tensor([2]), torch.tensor([[0]]), torch.tensor([0, 1]), 2, 2)
+    out = attn(torch.randn(2, 32), model.rotary.lookup(torch.arange(2), torch.float32), batch.prepare(16), caches)
+    assert out.shape == (2, 4, 8) and not calls and caches[0][:2].abs().sum() > 0  # written by write_kv

@@ -5,7 +5,9 @@ Without it a layer runs four kernels for this (the query's norm and rotation, th
 each for keys and values), each a few microseconds of mostly launch latency at batch 1: 144 of the 8B shape's
 555 kernels a step.  Inputs are the projections' views (q [T, H, D], k and v [T, Hkv, D], rows strided as they
 come out of one fused QKV GEMM), the step's cos/sin [T, 1, D] and slot_mapping [T]; the output is the rotated
-queries [T, H, D], contiguous.  Keys and values go only to the cache, where attention reads them.
+queries [T, H, D], contiguous.  Keys and values go only to the cache, where attention reads them.  Eager
+steps and CUDA-graph captures call it; a step compiled whole by torch.compile keeps the plain pieces, which
+inductor fuses itself.
 
 One program handles one (token, head): heads 0 .. H - 1 are query heads, H .. H + Hkv - 1 key heads, which also
 copy the value head of the same index.  The arithmetic follows models/fused.py's rms_norm_rotate (the
@@ -88,9 +90,9 @@ def supports(dtype: torch.dtype, k_cache: torch.Tensor, cos: torch.Tensor) -> bo
             and cos.shape[-1] == head_dim and k_cache.stride(-1) == 1)
 
 
-def launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weight: torch.Tensor | None,
-           k_weight: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor, slot_mapping: torch.Tensor,
-           k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+def qk_rope_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weight: torch.Tensor | None,
+                  k_weight: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor,
+                  slot_mapping: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
     """q [T, H, D], k, v [T, Hkv, D]; weights [D] (both None: no norm, Llama); cos, sin [T, 1, D];
     slot_mapping [T]; k_cache, v_cache [slots, Hkv, D] -> rotated queries [T, H, D] (keys and values written)."""
     tokens, heads, head_dim = q.shape
@@ -107,26 +109,3 @@ def launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weight: torch.Te
         v_cache.stride(0), v_cache.stride(1), HEADS=heads, HALF=half, HALF_PAD=triton.next_power_of_2(half),
         HAS_NORM=has_norm)
     return q_out
-
-
-@torch.library.custom_op("specdec::qk_rope_write", mutates_args=("k_cache", "v_cache"))
-def _qk_rope_write_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weight: torch.Tensor | None,
-                      k_weight: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor,
-                      slot_mapping: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
-    return launch(q, k, v, q_weight, k_weight, eps, cos, sin, slot_mapping, k_cache, v_cache)
-
-
-@_qk_rope_write_op.register_fake
-def _(q, k, v, q_weight, k_weight, eps, cos, sin, slot_mapping, k_cache, v_cache):
-    return q.new_empty(q.shape)
-
-
-def qk_rope_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weight: torch.Tensor | None,
-                  k_weight: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor,
-                  slot_mapping: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
-    """`launch`; through the custom op while torch.compile traces (opaque to it, the caches marked as written),
-    directly otherwise."""
-    args = (q, k, v, q_weight, k_weight, float(eps), cos, sin, slot_mapping, k_cache, v_cache)
-    if torch.compiler.is_compiling():
-        return _qk_rope_write_op(*args)
-    return launch(*args)

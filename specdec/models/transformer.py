@@ -66,9 +66,10 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], batch: AttentionBatch,
                 kv_cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """x [T, hidden] (normed) -> attention output [T, H, D], this step's keys and values written to the cache:
-        by Kernels.qk_rope_write in one launch where it is set and takes the layer, else heads() and attend()."""
+        by Kernels.qk_rope_write in one launch where it is set and takes the layer, else heads() and attend()
+        (also inside torch.compile, which fuses those itself)."""
         writer, k_cache = Kernels.qk_rope_write, kv_cache[0]
-        if writer is None or not _writer_supports(x.dtype, k_cache, cos_sin[0]):
+        if writer is None or torch.compiler.is_compiling() or not _writer_supports(x.dtype, k_cache, cos_sin[0]):
             return self.attend(*self.heads(x, cos_sin), batch, kv_cache)
         tokens = x.shape[0]
         q, k, v = self.project(x)
