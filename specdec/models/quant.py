@@ -14,8 +14,8 @@ and the norms stay in bf16.
 dtype on the load device (so on a GPU the unpacking itself runs there).
 
 QAT: ``enable_qat`` makes each of those weights go through ``fake_quant_int4`` in the forward (the
-straight-through estimator: forward quantized, gradient as if identity); ``export_quantized`` then writes
-exactly the weights that were trained against.
+straight-through estimator: forward quantized, gradient as if identity); the training's export
+(``specdec.train.drafter.export_quantized``) then writes exactly the weights that were trained against.
 """
 
 from __future__ import annotations
@@ -147,29 +147,6 @@ def quantize_state(state: dict[str, torch.Tensor], fmt: str, group_size: int = D
         else:
             out[name] = tensor.to(torch.bfloat16).contiguous()
     return out, names
-
-
-def export_quantized(model: torch.nn.Module, out_dir: Path | str, fmt: str, tokenizer_dir: Path | str | None,
-                     group_size: int = DEFAULT_GROUP_SIZE, extra_eos_ids: Iterable[int] = ()) -> Path:
-    """Save ``model`` (a transformers causal LM, QAT or not) as a quantized Hugging Face directory."""
-    from safetensors.torch import save_file
-
-    from specdec.train.lm import save_checkpoint
-
-    plain = without_qat(model).float()
-    out = save_checkpoint(plain, out_dir, tokenizer_dir, max_shard_size="100GB", extra_eos_ids=extra_eos_ids)
-    state = dict(plain.state_dict())
-    if plain.config.tie_word_embeddings:
-        state.pop("lm_head.weight", None)
-    tensors, names = quantize_state(state, fmt, group_size)
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    (out / "model.safetensors").chmod(0o644)
-    config_path = out / "config.json"
-    config = json.loads(config_path.read_text())
-    config["quantization_config"] = {"quant_method": QUANT_METHOD, "format": fmt, "group_size": group_size,
-                                     "modules": sorted(names)}
-    config_path.write_text(json.dumps(config, indent=2) + "\n")
-    return out
 
 
 def quantization_config(model_dir: Path | str) -> dict | None:

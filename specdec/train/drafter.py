@@ -39,7 +39,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterable, Sequence
 
 import numpy as np
 import torch
@@ -165,7 +165,7 @@ def export_drafter(model, out_dir: Path, fmt: str, tokenizer_dir: Path, group_si
                    extra_eos_ids: Sequence[int]) -> dict:
     """Write one export (bf16 / fp8 / int4) with its ``weights.sha256.json``; returns {dir, files: sha256}."""
     from specdec.models.provenance import write_weights_sha256
-    from specdec.models.quant import export_quantized, without_qat
+    from specdec.models.quant import without_qat
     from specdec.train.lm import save_checkpoint
 
     if fmt == "bf16":
@@ -173,6 +173,30 @@ def export_drafter(model, out_dir: Path, fmt: str, tokenizer_dir: Path, group_si
     else:
         export_quantized(model, out_dir, fmt, tokenizer_dir, group_size, extra_eos_ids)
     return {"dir": str(out_dir), "sha256": write_weights_sha256(out_dir)}
+
+
+def export_quantized(model: torch.nn.Module, out_dir: Path | str, fmt: str, tokenizer_dir: Path | str | None,
+                     group_size: int, extra_eos_ids: Iterable[int] = ()) -> Path:
+    """Save ``model`` (a transformers causal LM, QAT or not) as a quantized Hugging Face directory."""
+    from safetensors.torch import save_file
+
+    from specdec.models.quant import QUANT_METHOD, quantize_state, without_qat
+    from specdec.train.lm import save_checkpoint
+
+    plain = without_qat(model).float()
+    out = save_checkpoint(plain, out_dir, tokenizer_dir, max_shard_size="100GB", extra_eos_ids=extra_eos_ids)
+    state = dict(plain.state_dict())
+    if plain.config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    tensors, names = quantize_state(state, fmt, group_size)
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "model.safetensors").chmod(0o644)
+    config_path = out / "config.json"
+    config = json.loads(config_path.read_text())
+    config["quantization_config"] = {"quant_method": QUANT_METHOD, "format": fmt, "group_size": group_size,
+                                     "modules": sorted(names)}
+    config_path.write_text(json.dumps(config, indent=2) + "\n")
+    return out
 
 
 def train(run: DrafterRun, records: list[dict], heldout: list[dict], log: TrainLog, rank: int = 0,
