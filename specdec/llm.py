@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from specdec.devices import parse_dtype, pick_device
 from specdec.engine.engine import Engine, EngineConfig
 from specdec.engine.request import Request, TokenLogprobs
 from specdec.errors import ConfigError, InvalidRequestError, ModelLoadError
@@ -51,25 +52,6 @@ class Completion:
     def tokens_per_step(self) -> float:
         """Mean tokens emitted per target step that produced tokens (1.0 without speculation)."""
         return len(self.token_ids) / max(1, self.num_steps)
-
-
-def pick_device(device: str | torch.device | None) -> torch.device:
-    if device is None or device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ModelLoadError("device 'cuda' was asked for but no CUDA GPU is visible; use device='cpu'")
-    return device
-
-
-def parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
-    if dtype is None or isinstance(dtype, torch.dtype):
-        return dtype
-    names = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-             "float16": torch.float16, "fp16": torch.float16, "auto": None}
-    if dtype not in names:
-        raise ModelLoadError(f"unknown dtype {dtype!r}: use one of {', '.join(names)}")
-    return names[dtype]
 
 
 def encode_prompt(tokenizer: Tokenizer | None, prompt: str | Sequence[int]) -> list[int]:

@@ -165,7 +165,7 @@ def load_drafter(model: str, device: str | None = None, dtype: str | None = None
     from specdec.assets import resolve_model
     from specdec.engine.kv_cache import num_blocks_for
     from specdec.errors import ModelLoadError
-    from specdec.llm import parse_dtype, pick_device
+    from specdec.devices import parse_dtype, pick_device
     from specdec.models.loader import load_model
 
     try:

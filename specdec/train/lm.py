@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from specdec.devices import pick_device
 from specdec.train.shapes import (  # noqa: F401 (re-exported: the shapes and configs a run builds)
     ARCHS, DRAFT_SHAPE, TARGET_SHAPE, ModelShape, config_kwargs, model_config, qwen3_config, target_shape)
 
@@ -49,11 +50,6 @@ def new_model(config, seed: int = 0):
 def count_params(model: torch.nn.Module) -> int:
     """Number of distinct parameters (a tied embedding counts once)."""
     return sum(p.numel() for p in model.parameters())
-
-
-def pick_device(name: str | None = None) -> torch.device:
-    """``name`` if given, else cuda when available, else cpu."""
-    return torch.device(name or ("cuda" if torch.cuda.is_available() else "cpu"))
 
 
 def autocast(device: torch.device):
