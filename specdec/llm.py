@@ -115,7 +115,7 @@ class LLM:
                          f"requests up to {self.engine.max_model_len} tokens")
         self.spec_config = speculator
         if speculator is not None:
-            from specdec.speculate.build import build_speculator
+            from specdec.speculate.build import build_speculator, speculation_for
 
             if self.tensor_parallel is not None and speculator.method in ("remote", "eagle3", "mtp"):
                 raise ConfigError(f"the {speculator.method} speculator does not run under tensor parallelism yet: "
@@ -126,7 +126,7 @@ class LLM:
                 from specdec.parallel.tensor_parallel import RankZeroController
 
                 controller = RankZeroController(controller)
-            self.engine.set_speculator(spec, controller)
+            self.engine.set_speculation(speculation_for(self.engine, spec, controller))
         if self.engine.config.precapture:  # what a served step would otherwise build on first use
             with _phase("captured {graphs} CUDA graphs in {seconds:.1f} s") as found:
                 found["graphs"] = self.engine.precapture_graphs()

@@ -230,7 +230,7 @@ def test_speculative_engines_are_not_overlapped(qwen3_dir):
 def test_setting_a_speculator_commits_the_step_in_flight(qwen3_dir):
     """A step left in flight is committed before a speculator takes over; its finished requests are returned by
     the next step()."""
-    from specdec.speculate.build import build_speculator
+    from specdec.speculate.build import build_speculator, speculation_for
 
     greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     ps = prompts(2, seed=4)
@@ -241,7 +241,7 @@ def test_setting_a_speculator_commits_the_step_in_flight(qwen3_dir):
     while engine.in_flight is None:
         engine.step()
     spec = SpecConfig("ngram", num_draft_tokens=3, adaptive=False)
-    engine.set_speculator(*build_speculator(spec, llm))
+    engine.set_speculation(speculation_for(engine, *build_speculator(spec, llm)))
     assert engine.in_flight is None
     finished = []
     while engine.has_work():

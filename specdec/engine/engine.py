@@ -424,14 +424,13 @@ class Engine:
             with torch.inference_mode():
                 self.finished_early += self._complete(flight)
 
-    def set_speculator(self, speculator, controller) -> None:
-        """Speculate from now on with this speculator, k chosen by this controller (speculate/build.py).  A
-        speculator that reads the target's hidden states has the target capture them from here on."""
-        from specdec.speculate.speculation import Speculation
-
+    def set_speculation(self, speculation) -> None:
+        """Speculate from now on (speculate/speculation.py's Speculation: a speculator and the controller of its
+        k, built for this engine by speculate/build.py).  A speculator that reads the target's hidden states has
+        the target capture them from here on."""
         self.drain()  # a speculator's steps start from committed tokens
-        self.speculation = Speculation(speculator, controller, self.max_model_len,
-                                       self.config.max_num_batched_tokens)
+        self.speculation = speculation
+        speculator = speculation.speculator
         if speculator.tree_nodes(2) > 2:  # it drafts trees
             if self.states is not None:
                 raise ConfigError("draft trees do not run on hybrid models (Qwen3.5): their linear layers read the "

@@ -22,6 +22,7 @@ from specdec.speculate.config import SpecConfig
 from specdec.speculate.controller import KController
 from specdec.speculate.step_costs import StepCostTable, measure_forward_cost
 from specdec.speculate.ngram import NgramSpeculator
+from specdec.speculate.speculation import Speculation
 
 
 CALIBRATION_MAX_TOKENS = 512  # cost-table points up to this many tokens; beyond, cost grows in proportion
@@ -42,6 +43,12 @@ def build_speculator(config: SpecConfig, llm) -> tuple[Speculator, KController]:
         spec = RemoteSpeculator(config.url, timeout_s=config.timeout_s, vocab_size=llm.model.config.vocab_size)
     # adaptive k needs step costs: measured by calibrate() once the engine's CUDA graphs are captured
     return spec, KController(config.num_draft_tokens, None, None, adaptive=False)
+
+
+def speculation_for(engine, speculator: Speculator, controller) -> Speculation:
+    """The Speculation the engine calls each step (Engine.set_speculation), sized by the engine's longest request
+    and step token budget."""
+    return Speculation(speculator, controller, engine.max_model_len, engine.config.max_num_batched_tokens)
 
 
 def calibrate(controller: KController, engine, spec: Speculator) -> None:
