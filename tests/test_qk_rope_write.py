@@ -178,3 +178,25 @@ def test_a_step_traced_by_torch_compile_keeps_the_plain_pieces(monkeypatch):
     batch = AttentionBatch(torch.tensor([0, 2]), torch.tensor([2]), torch.tensor([[0]]), torch.tensor([0, 1]), 2, 2)
     out = attn(torch.randn(2, 32), model.rotary.lookup(torch.arange(2), torch.float32), batch.prepare(16), caches)
     assert out.shape == (2, 4, 8) and not calls and caches[0][:2].abs().sum() > 0  # written by write_kv
+
+
+@child_only
+def test_eagle3_speculation_with_the_kernel_keeps_greedy_output(qwen3_dir, tmp_path, monkeypatch):
+    """With the kernel writing the target's and the EAGLE-3 head's keys and values (both through
+    transformer.Attention), greedy speculative output equals plain decoding's, and the head's layer ran it too."""
+    from specdec import LLM
+    from specdec.speculate import SpecConfig
+    from tests.test_eagle3 import make_head_dir
+    from tests.test_speculative import GREEDY, mixed_prompts
+
+    head = make_head_dir(tmp_path / "head", qwen3_dir)
+    prompts = mixed_prompts(4)
+    plain_outputs = [o.token_ids for o in LLM(qwen3_dir, device="cpu", kv_cache_tokens=2048).generate(prompts, GREEDY)]
+    caches = set()  # the key caches the kernel wrote: one per target layer, and the head's
+    monkeypatch.setattr(fused.Kernels, "qk_rope_write",
+                        staticmethod(lambda *a: caches.add(a[-2].data_ptr()) or kernel.qk_rope_write(*a)))
+    spec = SpecConfig("eagle3", model=str(head), num_draft_tokens=3, adaptive=False)
+    llm = LLM(qwen3_dir, device="cpu", kv_cache_tokens=2048, block_size=4, speculator=spec)
+    assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == plain_outputs
+    assert llm.engine.speculator.stats["draft_forwards"] > 0
+    assert len(caches) == llm.engine.runner.model.config.num_hidden_layers + 1
