@@ -343,6 +343,14 @@ def with_head_switches(llm: LLM, early: bool | None, chain_ahead: bool | None) -
     return llm
 
 
+def silenced(llm: LLM, config: str) -> LLM:
+    """A "-k0" config's LLM with its controller held at k = 0: the speculator observes every step and drafts
+    nothing, so the row says what speculation costs where it does not pay."""
+    if config.endswith("-k0"):
+        llm.engine.controller.k_max = 0
+    return llm
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="bench/results/spec-steps-h200.json")
@@ -399,6 +407,10 @@ def main(argv=None) -> int:
     configs.update({f"mtp-k{k}-v32k": SpecConfig("mtp", num_draft_tokens=k, adaptive=False,
                                                  draft_vocab_size=args.mtp_draft_vocab) for k in (1, 2)})
     configs["eagle3-adaptive-k7"] = SpecConfig("eagle3", num_draft_tokens=7, **head)
+    # what a speculator costs while it drafts nothing: its controller held at k = 0 (silenced below)
+    configs["eagle3-k0"] = SpecConfig("eagle3", num_draft_tokens=1, adaptive=False, **head)
+    configs["mtp-k0"] = SpecConfig("mtp", num_draft_tokens=1, adaptive=False)
+    configs["draft-k0"] = SpecConfig("draft", num_draft_tokens=1, adaptive=False, **draft)
     for width, k in ((2, 7), (3, 5), (4, 4)):  # draft trees of at most 16 nodes (the Triton kernel's 17 rows)
         configs[f"eagle3-tree{width}-k{k}"] = SpecConfig("eagle3", num_draft_tokens=k, adaptive=False,
                                                          tree_width=width, **head)
@@ -416,8 +428,8 @@ def main(argv=None) -> int:
                  "plain-no-overlap": dict(overlap_steps=False)}
     for name in args.configs.split(","):
         options = {**engine, **overrides.get(name, {})}
-        row = measure(name, lambda: with_head_switches(LLM(args.target, speculator=configs[name], **options),
-                                                       args.early_observe, args.chain_ahead),
+        row = measure(name, lambda: silenced(with_head_switches(LLM(args.target, speculator=configs[name], **options),
+                                                                args.early_observe, args.chain_ahead), name),
                       prompts, args.tokens, device, args.profile_steps, args.batch, args.temperature)
         results["rows"].append(row)
         print(json.dumps(row), flush=True)

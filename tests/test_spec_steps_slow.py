@@ -74,9 +74,10 @@ def test_the_dry_run_reports_slow_steps_for_every_row(tmp_path, capsys):
 
     out = tmp_path / "spec-steps.json"
     assert main(["--device", "cpu", "--target-twin", "", "--draft-twin", "", "--prompts", "2", "--tokens", "8",
-                 "--configs", "plain,draft-k4,plain-overlap", "--out", str(out)]) == 0
+                 "--configs", "plain,draft-k4,plain-overlap,draft-k0", "--out", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
-    assert [row["config"] for row in rows] == ["plain", "draft-k4", "plain-overlap"]
+    assert [row["config"] for row in rows] == ["plain", "draft-k4", "plain-overlap", "draft-k0"]
+    assert set(rows[3]["by_k"]) == {"0"}  # a silenced speculator's steps all ran at k = 0
     printed = capsys.readouterr().out
     for row in rows:
         assert isinstance(row["slow_steps"], list) and len(row["slow_steps"]) <= 8
