@@ -17,7 +17,7 @@ kernel = kernel_module("specdec.kernels.qk_rope_write")  # None outside the chil
 @parent_only
 def test_kernel_cases_under_the_interpreter():
     """This file's kernel cases, in a child process started with TRITON_INTERPRET=1."""
-    run_child(__file__, min_passed=8, parent_tests=3)  # this test and the two sm_90 compiles
+    run_child(__file__, min_passed=12, parent_tests=4)  # this test and the three sm_90 compiles
 
 
 def make_layer(tokens, heads, kv_heads, head_dim, dtype=torch.float32, seed=0, slots=40):
@@ -52,6 +52,20 @@ def fused_call(views, weights, cos_sin, caches, slot_mapping, eps=1e-6, norm=Tru
     return kernel.qk_rope_write(*views, *(weights if norm else (None, None)), eps, *cos_sin, slot_mapping, *caches)
 
 
+def plain_qwen3_5(views, weights, cos_sin, caches, slot_mapping, eps=1e-6):
+    """Qwen3.5's pieces: zero-centred q/k norms, the rotation of each head's first R dims (cos_sin [T, 1, R]),
+    the other dims passed through; caches written in place."""
+    rot = cos_sin[0].shape[-1]
+
+    def normed_rotated(x, w):
+        n = fused.zero_centred_rms_norm(x, w, eps)
+        return torch.cat([fused.rotate(n[..., :rot], *cos_sin), n[..., rot:]], dim=-1)
+
+    q, k = (normed_rotated(x, w) for x, w in zip(views[:2], weights))
+    write_kv(*caches, k, views[2], slot_mapping)
+    return q
+
+
 @child_only
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 2, 32), (2, 2, 128), (6, 3, 24), (4, 1, 8)])
 @pytest.mark.parametrize("norm", [True, False])
@@ -66,6 +80,24 @@ def test_matches_the_plain_pieces(heads, kv_heads, head_dim, norm):
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
     for cache, reference in zip(caches, expected_caches):
         torch.testing.assert_close(cache, reference, atol=1e-5, rtol=1e-5)
+
+
+@child_only
+@pytest.mark.parametrize("head_dim,rot", [(32, 8), (24, 12), (16, 16)])
+def test_qwen3_5_partial_rotary_and_zero_centred_norms(head_dim, rot):
+    """centred=True and a rotation of the first R dims match Qwen3.5's pieces, with the query of each head read
+    from beside its gate ([T, H, 2D] rows, as the gated q_proj lays them out)."""
+    views, weights, (cos, sin), caches, slots = make_layer(5, 4, 2, head_dim, seed=head_dim + rot)
+    gated = torch.randn(5, 4, 2 * head_dim)
+    views = (gated[..., :head_dim], *views[1:])  # each head's query beside its gate
+    cos_sin = cos[..., :rot // 2].repeat(1, 1, 2), sin[..., :rot // 2].repeat(1, 1, 2)
+    expected_caches = [c.clone() for c in caches]
+    expected = plain_qwen3_5(views, weights, cos_sin, expected_caches, slots)
+    got = kernel.qk_rope_write(*views, *weights, 1e-6, *cos_sin, slots, *caches, centred=True)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    for cache, reference in zip(caches, expected_caches):
+        torch.testing.assert_close(cache, reference, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(fused_call(views, weights, cos_sin, [c.clone() for c in caches], slots), expected)
 
 
 @child_only
@@ -97,11 +129,12 @@ def test_half_precision_rounds_as_the_compiled_pieces(dtype):
 
 
 @child_only
-def test_supports_whole_head_rotations_of_one_dtype():
+def test_supports_even_rotations_and_one_dtype():
     _, _, (cos, _), (cache, _), _ = make_layer(2, 2, 1, 32)
     assert kernel.supports(torch.float32, cache, cos)
     assert not kernel.supports(torch.bfloat16, cache, cos)  # the cache's dtype differs
-    assert not kernel.supports(torch.float32, cache, cos[..., :16])  # a partial rotation (Qwen3.5)
+    assert kernel.supports(torch.float32, cache, cos[..., :16])  # a partial rotation (Qwen3.5)
+    assert not kernel.supports(torch.float32, cache, cos[..., :15])  # an odd one
 
 
 @child_only
@@ -136,10 +169,12 @@ def test_the_writer_is_off_by_default_and_in_plain_kernels(monkeypatch):
 
 
 @parent_only
-@pytest.mark.parametrize("has_norm", [True, False])
-def test_the_kernel_compiles_for_hopper(has_norm):
+@pytest.mark.parametrize("has_norm,centred,head_dim,rot", [(True, False, 128, 128), (False, False, 128, 128),
+                                                           (True, True, 256, 64)])
+def test_the_kernel_compiles_for_hopper(has_norm, centred, head_dim, rot):
     """The interpreter runs the kernel as Python and so accepts code Triton's compiler refuses: compile it to PTX
-    for sm_90 (no GPU needed) at the Qwen3-8B layer's shape in bf16, with and without the norms (Llama)."""
+    for sm_90 (no GPU needed) in bf16 at the Qwen3-8B layer's shape, with and without the norms (Llama), and at
+    the Qwen3.5-27B attention layer's (head_dim 256, 64 rotary dims, zero-centred norms)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -151,7 +186,7 @@ def test_the_kernel_compiles_for_hopper(has_norm):
     pointers.update(slots_ptr="*i64", eps="fp32")
     strides = ("stride_qt", "stride_qh", "stride_kt", "stride_kh", "stride_vt", "stride_vh", "stride_ct", "stride_st",
                "stride_ot", "stride_oh", "stride_kcs", "stride_kch", "stride_vcs", "stride_vch")
-    constants = dict(HEADS=32, HALF=64, HALF_PAD=64, HAS_NORM=has_norm)
+    constants = dict(HEADS=32, HEAD_DIM=head_dim, D_PAD=head_dim, ROT=rot, CENTRED=centred, HAS_NORM=has_norm)
     signature = {**pointers, **{name: "i32" for name in strides}, **{k: "constexpr" for k in constants}}
     source = ASTSource(fn=compiled._qk_rope_write_kernel, signature=signature, constexprs=constants)
     ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
@@ -200,3 +235,22 @@ def test_eagle3_speculation_with_the_kernel_keeps_greedy_output(qwen3_dir, tmp_p
     assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == plain_outputs
     assert llm.engine.speculator.stats["draft_forwards"] > 0
     assert len(caches) == llm.engine.runner.model.config.num_hidden_layers + 1
+
+
+@child_only
+def test_a_qwen3_5_forward_with_the_kernel_equals_the_plain_one(tmp_path, monkeypatch):
+    """A tiny Qwen3.5 hybrid (gated attention, zero-centred q/k norms, partial rotary) generates the same greedy
+    tokens with the kernel writing its full-attention layers' keys and values as without it."""
+    from specdec import LLM
+    from tests.test_qwen3_5 import build_hf
+    from tests.test_qwen3_5_engine import GREEDY, PROMPTS
+
+    build_hf("two-full").save_pretrained(tmp_path)
+    plain_outputs = [o.token_ids for o in LLM(tmp_path, device="cpu", kv_cache_tokens=2048).generate(PROMPTS, GREEDY)]
+    caches = set()
+    monkeypatch.setattr(fused.Kernels, "qk_rope_write",
+                        staticmethod(lambda *a, **kw: caches.add(a[-2].data_ptr()) or kernel.qk_rope_write(*a, **kw)))
+    llm = LLM(tmp_path, device="cpu", kv_cache_tokens=2048)
+    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == plain_outputs
+    config = llm.engine.runner.model.config
+    assert len(caches) == config.num_hidden_layers - len(config.linear_layer_ids)  # every full-attention layer

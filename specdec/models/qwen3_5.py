@@ -24,7 +24,7 @@ from specdec.models.fused import Kernels
 from specdec.models.fused_linear import FusedProjection, fuse
 from specdec.models.gated_deltanet import GatedDeltaNet, GatedRMSNorm, SequenceGroup, plan_groups
 from specdec.models.layers import GatedMLP, rope_inverse_frequencies
-from specdec.models.transformer import CausalLM, KVCaches
+from specdec.models.transformer import CausalLM, KVCaches, writer_applies
 
 
 class ZeroCentredRMSNorm(nn.Module):
@@ -121,8 +121,24 @@ class GatedAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, rotary: PartialRotary, cos_sin: tuple[torch.Tensor, torch.Tensor],
                 batch: AttentionBatch, kv_cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        q, k, v, gate = self.heads(x, rotary, cos_sin)
-        return self.output(self.attend(q, k, v, batch, kv_cache), gate)
+        """x [T, hidden] -> [T, hidden]; the q/k norms, rotation and KV writes by Kernels.qk_rope_write in one
+        launch where it is set and takes the layer (transformer.Attention.forward's rule), else heads() and
+        attend()."""
+        k_cache, v_cache = kv_cache
+        if not writer_applies(x.dtype, k_cache, cos_sin[0]):
+            q, k, v, gate = self.heads(x, rotary, cos_sin)
+            return self.output(self.attend(q, k, v, batch, kv_cache), gate)
+        tokens = x.shape[0]
+        q, k, v = self.qkv(x) if self.qkv is not None else (self.q_proj(x), self.k_proj(x), self.v_proj(x))
+        gate = None
+        if self.gated:  # per head: [query | gate], each head_dim wide; the kernel reads the query in place
+            q, gate = q.view(tokens, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)  # [T, H, D] each
+        q = Kernels.qk_rope_write(q.view(tokens, self.num_heads, self.head_dim),
+                                  k.view(tokens, self.num_kv_heads, self.head_dim),
+                                  v.view(tokens, self.num_kv_heads, self.head_dim), self.q_norm.weight,
+                                  self.k_norm.weight, self.q_norm.eps, *cos_sin, batch.slot_mapping, k_cache, v_cache,
+                                  centred=True)
+        return self.output(paged_attention(q, k_cache, v_cache, batch, self.scale), gate)
 
 
 class HybridDecoderLayer(nn.Module):
@@ -146,9 +162,13 @@ class HybridDecoderLayer(nn.Module):
         """The residual stream x [T, hidden] -> after this layer [T, hidden].  A linear layer reads groups and
         batch.states; a full-attention one rotary, cos_sin and its kv_cache (the target's and the MTP head's
         layers alike)."""
-        pre = self.pre_mixer(self.input_layernorm(x), rotary, cos_sin)
-        core = self.core(pre, batch, kv_cache, groups)
-        x, h = self.post_attention_layernorm.add_forward(x, self.post_mixer(core, pre))
+        h = self.input_layernorm(x)
+        if self.is_linear:
+            pre = self.pre_mixer(h, rotary, cos_sin)
+            mixed = self.post_mixer(self.core(pre, batch, kv_cache, groups), pre)
+        else:  # in one piece: GatedAttention.forward may write its keys in the same launch as the norms
+            mixed = self.self_attn(h, rotary, cos_sin, batch, kv_cache)
+        x, h = self.post_attention_layernorm.add_forward(x, mixed)
         return x + self.mlp(h)
 
     # The token mixer in three parts: pre_mixer and post_mixer are row-wise (engine/piecewise_hybrid.py replays

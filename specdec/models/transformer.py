@@ -68,15 +68,16 @@ class Attention(nn.Module):
         """x [T, hidden] (normed) -> attention output [T, H, D], this step's keys and values written to the cache:
         by Kernels.qk_rope_write in one launch where it is set and takes the layer, else heads() and attend()
         (also inside torch.compile, which fuses those itself)."""
-        writer, k_cache = Kernels.qk_rope_write, kv_cache[0]
-        if writer is None or torch.compiler.is_compiling() or not _writer_supports(x.dtype, k_cache, cos_sin[0]):
+        k_cache = kv_cache[0]
+        if not writer_applies(x.dtype, k_cache, cos_sin[0]):
             return self.attend(*self.heads(x, cos_sin), batch, kv_cache)
         tokens = x.shape[0]
         q, k, v = self.project(x)
         norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.qk_norm else (None, None, 0.0)
-        q = writer(q.view(tokens, self.num_heads, self.head_dim), k.view(tokens, self.num_kv_heads, self.head_dim),
-                   v.view(tokens, self.num_kv_heads, self.head_dim), *norms, *cos_sin, batch.slot_mapping, k_cache,
-                   kv_cache[1])
+        q = Kernels.qk_rope_write(q.view(tokens, self.num_heads, self.head_dim),
+                                  k.view(tokens, self.num_kv_heads, self.head_dim),
+                                  v.view(tokens, self.num_kv_heads, self.head_dim), *norms, *cos_sin,
+                                  batch.slot_mapping, k_cache, kv_cache[1])
         return paged_attention(q, k_cache, kv_cache[1], batch, self.scale)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: AttentionBatch,
@@ -91,9 +92,13 @@ class Attention(nn.Module):
         return self.o_proj(out.reshape(out.shape[0], self.num_heads * self.head_dim))
 
 
-def _writer_supports(dtype: torch.dtype, k_cache: torch.Tensor, cos: torch.Tensor) -> bool:
-    """Whether Kernels.qk_rope_write (then imported, with triton) takes a layer of this dtype, cache and rotation."""
-    from specdec.kernels.qk_rope_write import supports
+def writer_applies(dtype: torch.dtype, k_cache: torch.Tensor, cos: torch.Tensor) -> bool:
+    """Whether an attention layer writes through Kernels.qk_rope_write: it is set (a GPU's fused kernels), the
+    step is not traced by torch.compile (which fuses the plain pieces itself), and the kernel takes a layer of
+    this dtype, cache and rotation."""
+    if Kernels.qk_rope_write is None or torch.compiler.is_compiling():
+        return False
+    from specdec.kernels.qk_rope_write import supports  # (triton is there: the writer is set)
 
     return supports(dtype, k_cache, cos)
 
