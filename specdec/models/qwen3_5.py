@@ -94,17 +94,22 @@ class GatedAttention(nn.Module):
             self.qkv = fuse([self.q_proj, self.k_proj, self.v_proj])
         return self.qkv is not None
 
-    def heads(self, x: torch.Tensor, rotary: PartialRotary, cos_sin: tuple[torch.Tensor, torch.Tensor]):
-        """x [..., T, hidden] -> (q [..., T, H, D], k, v [..., T, Hkv, D], gate [..., T, H, D] or None): q and k
-        normed and rotated (cos_sin [T, 1, rot]).  Any leading dims: the training-time test runs [B, T]."""
+    def head_views(self, x: torch.Tensor):
+        """x [..., T, hidden] -> the projections as heads (views, not normed): q [..., T, H, D], k, v
+        [..., T, Hkv, D], gate [..., T, H, D] or None (a gated q_proj lays each head's query beside its gate)."""
         lead = x.shape[:-1]
         q, k, v = self.qkv(x) if self.qkv is not None else (self.q_proj(x), self.k_proj(x), self.v_proj(x))
         gate = None
         if self.gated:  # per head: [query | gate], each head_dim wide
             q, gate = q.view(*lead, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)  # [..., H, D] each
-        q = rotary.apply(self.q_norm(q.reshape(*lead, self.num_heads, self.head_dim)), cos_sin)
-        k = rotary.apply(self.k_norm(k.view(*lead, self.num_kv_heads, self.head_dim)), cos_sin)
-        return q, k, v.view(*lead, self.num_kv_heads, self.head_dim), gate
+        return (q.reshape(*lead, self.num_heads, self.head_dim), k.view(*lead, self.num_kv_heads, self.head_dim),
+                v.view(*lead, self.num_kv_heads, self.head_dim), gate)
+
+    def heads(self, x: torch.Tensor, rotary: PartialRotary, cos_sin: tuple[torch.Tensor, torch.Tensor]):
+        """x [..., T, hidden] -> (q [..., T, H, D], k, v [..., T, Hkv, D], gate [..., T, H, D] or None): q and k
+        normed and rotated (cos_sin [T, 1, rot]).  Any leading dims: the training-time test runs [B, T]."""
+        q, k, v, gate = self.head_views(x)
+        return rotary.apply(self.q_norm(q), cos_sin), rotary.apply(self.k_norm(k), cos_sin), v, gate
 
     def output(self, attended: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
         """attended [..., H, D] (times sigmoid(gate) when gated) -> o_proj -> [..., hidden]."""
@@ -128,16 +133,9 @@ class GatedAttention(nn.Module):
         if not writer_applies(x.dtype, k_cache, cos_sin[0]):
             q, k, v, gate = self.heads(x, rotary, cos_sin)
             return self.output(self.attend(q, k, v, batch, kv_cache), gate)
-        tokens = x.shape[0]
-        q, k, v = self.qkv(x) if self.qkv is not None else (self.q_proj(x), self.k_proj(x), self.v_proj(x))
-        gate = None
-        if self.gated:  # per head: [query | gate], each head_dim wide; the kernel reads the query in place
-            q, gate = q.view(tokens, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)  # [T, H, D] each
-        q = Kernels.qk_rope_write(q.view(tokens, self.num_heads, self.head_dim),
-                                  k.view(tokens, self.num_kv_heads, self.head_dim),
-                                  v.view(tokens, self.num_kv_heads, self.head_dim), self.q_norm.weight,
-                                  self.k_norm.weight, self.q_norm.eps, *cos_sin, batch.slot_mapping, k_cache, v_cache,
-                                  centred=True)
+        q, k, v, gate = self.head_views(x)  # the kernel reads a gated query in place, beside its gate
+        q = Kernels.qk_rope_write(q, k, v, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, *cos_sin,
+                                  batch.slot_mapping, k_cache, v_cache, centred=True)
         return self.output(paged_attention(q, k_cache, v_cache, batch, self.scale), gate)
 
 

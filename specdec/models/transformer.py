@@ -49,13 +49,16 @@ class Attention(nn.Module):
             return tuple(self.qkv(x))
         return self.q_proj(x), self.k_proj(x), self.v_proj(x)
 
-    def heads(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]):
-        """x [T, hidden] -> q [T, H, D], k [T, Hkv, D] (normed where Qwen3 norms them, rotated), v [T, Hkv, D]."""
+    def head_views(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [T, hidden] -> the projections as heads: q [T, H, D], k, v [T, Hkv, D] (views, not normed)."""
         tokens = x.shape[0]
         q, k, v = self.project(x)
-        q = q.view(tokens, self.num_heads, self.head_dim)  # [T, H, D]
-        k = k.view(tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
-        v = v.view(tokens, self.num_kv_heads, self.head_dim)
+        return (q.view(tokens, self.num_heads, self.head_dim), k.view(tokens, self.num_kv_heads, self.head_dim),
+                v.view(tokens, self.num_kv_heads, self.head_dim))
+
+    def heads(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]):
+        """x [T, hidden] -> q [T, H, D], k [T, Hkv, D] (normed where Qwen3 norms them, rotated), v [T, Hkv, D]."""
+        q, k, v = self.head_views(x)
         if self.qk_norm:  # per-head RMSNorm and the rotary embedding in one pass each
             q = self.q_norm.rotate_forward(q, cos_sin)
             k = self.k_norm.rotate_forward(k, cos_sin)
@@ -71,13 +74,8 @@ class Attention(nn.Module):
         k_cache = kv_cache[0]
         if not writer_applies(x.dtype, k_cache, cos_sin[0]):
             return self.attend(*self.heads(x, cos_sin), batch, kv_cache)
-        tokens = x.shape[0]
-        q, k, v = self.project(x)
         norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.qk_norm else (None, None, 0.0)
-        q = Kernels.qk_rope_write(q.view(tokens, self.num_heads, self.head_dim),
-                                  k.view(tokens, self.num_kv_heads, self.head_dim),
-                                  v.view(tokens, self.num_kv_heads, self.head_dim), *norms, *cos_sin,
-                                  batch.slot_mapping, k_cache, kv_cache[1])
+        q = Kernels.qk_rope_write(*self.head_views(x), *norms, *cos_sin, batch.slot_mapping, k_cache, kv_cache[1])
         return paged_attention(q, k_cache, kv_cache[1], batch, self.scale)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: AttentionBatch,
