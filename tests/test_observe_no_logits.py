@@ -120,8 +120,9 @@ def never_logits(llm):
 def test_every_step_drafts_what_it_would_with_the_logits_from_the_observe(qwen3_dir, head_dir, skip):
     """Two engines stepped in lockstep over the same greedy requests, one computing the logits in every observe:
     after a decoding step without drafts (every step, when skipping always) the other's head holds last_logits
-    None and the same last output, and every step verifies the same drafts."""
-    pair = [static_eagle(qwen3_dir, head_dir, 3) for _ in range(2)]
+    None and the same last output, and every step verifies the same drafts.  (Without overlapped steps, so that
+    each step() commits the step it ran: test_overlap_speculative checks the head's state with them.)"""
+    pair = [static_eagle(qwen3_dir, head_dir, 3, overlap_steps=False) for _ in range(2)]
     if skip == "after k = 0":
         skipping, always = (sometimes_zero(llm, always).engine for llm, always in zip(pair, (False, True)))
     else:

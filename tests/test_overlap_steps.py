@@ -1,7 +1,7 @@
 """Overlapped steps (engine/overlap.py): a plain decode step launched while the one before it is still in flight,
 fed that step's tokens from the device, gives the engine's outputs without overlap token for token (greedy and
 seeded sampling, stops of every kind, requests arriving, aborts, preemption), really takes the overlapped path
-(and a broken feed would show), returns every block, and leaves logprob requests and speculative engines alone."""
+(and a broken feed would show), returns every block, and leaves logprob requests and steps that plan drafts alone."""
 
 from __future__ import annotations
 
@@ -218,7 +218,9 @@ def test_logprob_requests_are_not_overlapped(qwen3_dir):
     assert llm.engine.stats["overlapped_steps"] > 0
 
 
-def test_speculative_engines_are_not_overlapped(qwen3_dir):
+def test_steps_that_plan_drafts_are_not_overlapped(qwen3_dir):
+    """A controller that plans k = 3 on every step leaves no step in flight, not even one where the n-gram lookup
+    found no drafts (test_overlap_speculative: steps planned at k = 0 are)."""
     ps = prompts(4, seed=3)
     greedy = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
     want = [o.token_ids for o in make_llm(qwen3_dir, overlap=False).generate(ps, greedy)]

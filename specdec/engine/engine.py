@@ -314,9 +314,14 @@ class Engine:
             return finished
         starts = [s.request.num_computed for s in seqs]
         logits = self.runner.forward(seqs)  # per seq [1 + drafts, V] or empty
-        if self.overlap_steps and self.speculation is None and self.runner.static_step and plain_decode(seqs):
-            self.in_flight = InFlight(seqs, logits, self.runner.static.launch_accept(seqs), started, overlapped=False)
-            return finished
+        plain = self._may_fly(seqs)
+        if plain is not None:
+            flight = InFlight(seqs, starts, logits, self.runner.static.launch_accept(seqs), started, overlapped=False,
+                              plain=plain or None)
+            if self._observe_in_flight(flight):
+                self.in_flight = flight
+                return finished
+            return finished + self._complete(flight)
         verdicts = sample_tokens(seqs, logits, self.runner.static if self.runner.static_step and self.fixed_acceptance
                                  else None, on_launch=self._observe_ahead(seqs, starts))
         if self.states is not None:  # a verified sequence's state advances by exactly the tokens it kept
@@ -341,8 +346,10 @@ class Engine:
             return None
         return functools.partial(self.speculation.observe_ahead, self.scheduler, seqs, starts, self.runner)
 
-    def _account(self, seqs: list[ScheduledSeq], emitted: int, eager: bool, seconds: float) -> None:
-        """Count a committed step: the stats, the admission batcher's costs and the trace."""
+    def _account(self, seqs: list[ScheduledSeq], emitted: int, eager: bool, seconds: float,
+                 k: int | None = None) -> None:
+        """Count a committed step: the stats, the admission batcher's costs and the trace (k: the step's, default
+        the speculation's last)."""
         fed = sum(s.num_new for s in seqs)
         self.stats["steps"] += 1
         self.stats["tokens_fed"] += fed
@@ -355,20 +362,37 @@ class Engine:
         if self.trace is not None:
             self.trace.append(StepRecord(
                 sequences=len(seqs), fed=fed, drafts=sum(s.num_drafts for s in seqs), emitted=emitted,
-                k=self.speculation.last_k if self.speculation is not None else 0, eager=eager, seconds=seconds))
+                k=k if k is not None else self.speculation.last_k if self.speculation is not None else 0,
+                eager=eager, seconds=seconds))
         self._committed_at = time.perf_counter()
 
     # ------------------------------------------------------------------ overlapped steps (engine/overlap.py)
 
+    def _may_fly(self, seqs: list[ScheduledSeq]):
+        """Whether this step may be left in flight: overlapped steps on, the fixed-shape runner, a plain decode
+        and, with a speculator, the controller's k = 0.  Returns None where it may not, else what the
+        speculation prices it by once committed (Speculation.plain_step), False without a speculator."""
+        if not (self.overlap_steps and self.runner.static_step and plain_decode(seqs)):
+            return None
+        return self.speculation.plain_step() if self.speculation is not None else False
+
+    def _observe_in_flight(self, flight: InFlight) -> bool:
+        """Queue the speculator's observe of a step about to be left in flight (Speculation.observe_in_flight);
+        False where it must be committed before any other forward runs."""
+        if self.speculation is None:
+            return True
+        return self.speculation.observe_in_flight(flight.seqs, flight.starts, self.runner, flight.launched)
+
     def _schedule_behind(self) -> list[ScheduledSeq] | None:
         """The step behind the one in flight, scheduled with each request's token from it pending; None where
-        that schedule is not sure to be a plain decode of the same requests (the step in flight is then
-        committed first)."""
+        that schedule is not sure to be a plain decode of the same requests, or the controller plans drafts for
+        it (the step in flight is then committed first)."""
         reqs = self.in_flight.live()
-        if self.speculation is not None or not schedules_alike(self.scheduler, reqs):
+        if not schedules_alike(self.scheduler, reqs):
             return None
         hold_pending(reqs)
-        if not self.runner.takes_static([ScheduledSeq(r, 1, 0, samples=True) for r in reqs]):
+        if (not self.runner.takes_static([ScheduledSeq(r, 1, 0, samples=True) for r in reqs])
+                or self.speculation is not None and not self.speculation.plan_behind(reqs)):
             for req in reqs:
                 release_pending(req)
             return None
@@ -383,15 +407,22 @@ class Engine:
     def _step_behind(self, seqs: list[ScheduledSeq], started: float) -> list[Request]:
         """Launch the step behind the one in flight, fed its tokens from the device; then commit that one."""
         fed_ids = self.in_flight.tokens_for([s.request for s in seqs], self.device)  # [len(seqs)] on the device
+        starts = [s.request.num_computed for s in seqs]  # each one past its pending token's position
         try:
             logits = self.runner.forward(seqs, fed_ids=fed_ids)  # per seq [1, V]
-            behind = InFlight(seqs, logits, self.runner.static.launch_accept(seqs), started, overlapped=True)
+            behind = InFlight(seqs, starts, logits, self.runner.static.launch_accept(seqs), started, overlapped=True,
+                              plain=self.speculation.plain_step() if self.speculation is not None else None)
         except BaseException:
             for seq in seqs:
                 release_pending(seq.request)
             raise
         flight, self.in_flight = self.in_flight, behind
-        return self._complete(flight, ahead=seqs)
+        finished = self._complete(flight, ahead=seqs)
+        # its speculator's observe, queued once the commit has settled the one before (starts now num_computed)
+        if not self._observe_in_flight(behind):
+            self.in_flight = None
+            finished += self._complete(behind)
+        return finished
 
     def _complete(self, flight: InFlight, ahead: list[ScheduledSeq] = ()) -> list[Request]:
         """Read a step left in flight's tokens and commit them as a step without overlap would.  ahead: the step
@@ -413,8 +444,12 @@ class Engine:
         if committed:
             self.stats["overlapped_steps"] += flight.overlapped
             # a step's cost: from its start, or from the last commit when it ran behind that step
-            self._account(committed, len(committed), False, time.perf_counter() - max(flight.started,
-                                                                                        self._committed_at))
+            started = max(flight.started, self._committed_at)
+            if self.speculation is not None:
+                seconds = self.speculation.after_step(flight.seqs, flight.starts, self.runner, started, flight.plain)
+            else:
+                seconds = time.perf_counter() - started
+            self._account(committed, len(committed), False, seconds, k=0)
         return finished
 
     def drain(self) -> None:

@@ -10,14 +10,20 @@ N's tokens (waiting for step N's copy back, not for N+1) and commit them: each p
 token and Engine._commit runs as without overlap.
 
 Which steps: every sequence a plain decode (one fed token, no drafts, samples, no logprobs), on the fixed-shape
-runner, accepted there (engine/fixed_acceptance.py: the tokens are made on the device), no speculator, not a
-hybrid model.  The step behind it is launched only when its scheduling is certain to come out the same as
-after the commit: nobody waits for admission, every running request was in the step in flight and still runs,
-and the free blocks cover every request's next token (no preemption).  Anything else, a speculator being set
-included, first commits the step in flight, then runs as without overlap.  A speculative step is never left in
-flight; what runs ahead of its host work is the head's observe instead (Speculator.observe_ahead: queued behind
-the step's fixed-shape acceptance, before the host reads it; speculate/eagle3.py), and behind it the next step's
-draft chain (Speculator.propose_ahead), under the same conditions as here (Speculation._ahead_ks).
+runner, accepted there (engine/fixed_acceptance.py: the tokens are made on the device), not a hybrid model, and
+with a speculator a step its controller planned at k = 0.  The step behind it is launched only when its
+scheduling is certain to come out the same as after the commit: nobody waits for admission, every running
+request was in the step in flight and still runs, the free blocks cover every request's next token (no
+preemption), and a controller plans k = 0 for it too (Speculation.plan_behind; a k > 0 is kept for the step
+after the commit).  Anything else, a speculator being set included, first commits the step in flight, then runs
+as without overlap.
+
+A speculator that reads the target's features (an EAGLE-3 head) observes a step in flight at its launch
+(Speculation.observe_in_flight: Speculator.observe_ahead, queued behind the step's acceptance, before any later
+forward overwrites the features); where it cannot, the step is committed before another is launched.  A
+speculative step is never left in flight; what runs ahead of its host work is that same observe (queued before
+the host reads the acceptance; speculate/eagle3.py), and behind it the next step's draft chain
+(Speculator.propose_ahead), under the same conditions as here (Speculation._ahead_ks).
 
 A request that finishes when step N is committed was still fed in step N+1: that token and its KV slot are
 dropped (its blocks are released as for any finished request, before the device has run N+1; on a GPU any
@@ -45,10 +51,12 @@ class InFlight:
     """A launched plain decode step whose tokens the host has not read yet."""
 
     seqs: list[ScheduledSeq]  # one fed token, no drafts, samples: each request's row i of the step
+    starts: list[int]  # seqs[i]'s fed position (what a speculator's observe of the step reads from)
     logits: list[torch.Tensor]  # per sequence [1, V] (unread here: no logprobs in the scope)
     launched: Launched  # its acceptance: launched.tokens [B, 1] on the device, row i sequence i's token
     started: float  # time.perf_counter() when the host began the step
     overlapped: bool  # launched behind another step in flight
+    plain: object = None  # with a speculator, how it prices the step at the commit (speculation.PlainStep)
 
     def live(self) -> list[Request]:
         """Its requests that still run (not finished or aborted since it was launched), in its order."""

@@ -166,8 +166,14 @@ class KController:
         rates = self._rates if len(self._rates) == len(counts) else self.acceptance.rates(request_ids)
         self.last_expected = float(expected_tokens_each(rates, np.asarray(counts)).sum())
 
-    def observe_step(self, batch: int, k: int, seconds: float) -> None:
-        """A finished step: `batch` decoding requests at `k` drafts took `seconds`.
+    @property
+    def probing(self) -> bool:
+        """Whether the step chosen last is a probe."""
+        return self._probe
+
+    def observe_step(self, batch: int, k: int, seconds: float, probe: bool | None = None) -> None:
+        """A finished step: `batch` decoding requests at `k` drafts took `seconds`; probe: whether it was a probe
+        (default: the step chosen last, as it is unless a step was chosen behind one in flight, engine/overlap.py).
 
         Steps that also prefilled teach nothing (their cost is the prefill's); the step that switches
         speculation on pays the drafter's catch-up, which is kept apart as the price of a probe's switch."""
@@ -184,7 +190,8 @@ class KController:
             self.catch_up_s[b] = extra if old is None else (old + extra) / 2
             return
         expected = self.last_expected if k else tokens[i]
-        self.estimate.observe(batch, k, expected, tokens[i], seconds, probe=self._probe)
+        self.estimate.observe(batch, k, expected, tokens[i], seconds,
+                              probe=self._probe if probe is None else probe)
 
     def state(self) -> dict[str, list[float]]:
         """The goodput estimate's arms (GoodputEstimate.state), for the benches."""

@@ -10,16 +10,29 @@
                       the next step's drafts may be launched there too, Speculator.propose_ahead, which the
                       next propose hands out if it plans the same ones.)
     per request       verified(req, drafts, accepted) when its drafts were checked, release(req) when it ends
+
+A step the controller plans at k = 0 is a plain decode step, which the engine may leave in flight
+(engine/overlap.py): observe_in_flight queues the speculator's observe of it at once, plan_behind chooses the
+k of the step behind it before its commit (a plain step is launched behind it; drafts wait for the commit),
+and after_step prices it at k = 0 (plain_step) once it is committed.
 """
 
 from __future__ import annotations
 
 import time
+from typing import NamedTuple
 
 from specdec.engine.overlap import schedules_alike
 from specdec.engine.request import Request
 from specdec.engine.scheduler import ScheduledSeq, Scheduler
 from specdec.speculate.base import Speculator
+
+
+class PlainStep(NamedTuple):
+    """A plain decode step left in flight (engine/overlap.py), as the controller prices it at its commit."""
+
+    decoding: int  # its decoding requests
+    probe: bool  # whether the controller ran it as a probe of k = 0
 
 
 class Speculation:
@@ -30,6 +43,7 @@ class Speculation:
         self.step_budget = step_budget  # the engine's max_num_batched_tokens
         self.decoding = 0  # decoding requests in the step being run
         self.drafting: list[Request] = []  # the requests propose() drafted for, until scheduled()
+        self._planned: int | None = None  # k chosen behind a step in flight for the propose after its commit
 
     @property
     def feature_layers(self) -> tuple[int, ...]:
@@ -54,7 +68,11 @@ class Speculation:
                 break
             prefill += r.num_tokens
         self.decoding = len(decoding)
-        k = self.controller.choose([r.request_id for r in decoding], min(prefill, self.step_budget))
+        planned, self._planned = self._planned, None
+        if planned is not None and not prefill:  # chosen behind the step in flight just committed (plan_behind)
+            k = planned if decoding else 0
+        else:
+            k = self.controller.choose([r.request_id for r in decoding], min(prefill, self.step_budget))
         if not k:  # a plain step: no speculator work (a host-bound step at 64 sequences is ~1.3 ms)
             self.speculator.drop_ahead()  # drafts launched ahead of the last commit go unused
             for r in decoding:
@@ -102,6 +120,43 @@ class Speculation:
         alike = schedules_alike(scheduler, reqs, [1 + k for k in ks], held)
         return ks if any(ks) and alike else None
 
+    # ------------------------------------------------------------------ plain steps in flight (engine/overlap.py)
+
+    def plain_step(self) -> PlainStep | None:
+        """For a plain decode step about to be left in flight: how after_step prices it once committed (the
+        controller may have chosen for the step behind by then), or None where the controller planned drafts for
+        it (the step found none: an n-gram miss) and it is committed as a speculative step is."""
+        if self.controller.last_k:
+            return None
+        return PlainStep(self.decoding, self.controller.probing)
+
+    def observe_in_flight(self, seqs: list[ScheduledSeq], starts: list[int], runner, launched) -> bool:
+        """A plain decode step is left in flight: queue the speculator's observe of it now, before a later forward
+        overwrites the features it reads (Speculator.observe_ahead; observe after the commit settles it).  False
+        where that cannot be (no head graph holds the shape, a request finished at the commit before): the step
+        must then be committed before any other forward.  A speculator that reads no features observes
+        nothing here."""
+        if not self.speculator.feature_layers:
+            return True
+        if any(s.request.finished for s in seqs):
+            return False
+        return self.speculator.observe_ahead(seqs, starts, runner, launched)
+
+    def plan_behind(self, reqs: list[Request]) -> bool:
+        """The step behind a plain decode step in flight, decoding reqs with nothing joining
+        (overlap.schedules_alike): the controller chooses its k now.  True where that is 0, a plain step the
+        engine launches behind the one in flight; otherwise the choice is kept for the propose that follows the
+        commit of the step in flight (one choice per step)."""
+        self.decoding = len(reqs)
+        k = self.controller.choose([r.request_id for r in reqs], 0)
+        if k:
+            self._planned = k
+            return False
+        self.speculator.drop_ahead()
+        return True
+
+    # ------------------------------------------------------------------
+
     def scheduled(self, seqs: list[ScheduledSeq]) -> None:
         """The step's plan is made: tell the controller the drafts each drafted request really verifies (its
         draft depth; 0 where the scheduler cut them all or left the request out)."""
@@ -112,14 +167,19 @@ class Speculation:
                                 [depth.get(r.request_id, 0) for r in self.drafting])
         self.drafting = []
 
-    def after_step(self, seqs: list[ScheduledSeq], starts: list[int], runner, started: float) -> float:
+    def after_step(self, seqs: list[ScheduledSeq], starts: list[int], runner, started: float,
+                   plain: PlainStep | None = None) -> float:
         """The target's step is committed: the speculator observes it (starts[i] is where seqs[i]'s fed tokens
         began; the runner holds the step's features, ModelRunner.step_features), then the controller learns
         its seconds since perf_counter() read `started` (it counts the tokens the acceptance rates expect, not
-        those emitted, and prices the step by its k).  Returns the seconds."""
+        those emitted, and prices the step by its k).  plain: a plain step committed from flight (plain_step),
+        priced at k = 0.  Returns the seconds."""
         self.speculator.observe(seqs, starts, runner)
         seconds = time.perf_counter() - started
-        if self.decoding:
+        if plain is not None:
+            if plain.decoding:
+                self.controller.observe_step(plain.decoding, 0, seconds, plain.probe)
+        elif self.decoding:
             self.controller.observe_step(self.decoding, self.controller.last_k, seconds)
         return seconds
 
