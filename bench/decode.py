@@ -28,6 +28,7 @@ from specdec.engine.scheduler import ScheduledSeq  # noqa: E402
 from specdec.models.config import ModelConfig  # noqa: E402
 from specdec.models.fused import Kernels, enable_fused_kernels  # noqa: E402
 from specdec.models.loader import random_model  # noqa: E402
+from specdec.models.weight_layout import lay_out_weights  # noqa: E402
 from specdec.sampling import SamplingParams  # noqa: E402
 
 QWEN3_8B = {"architectures": ["Qwen3ForCausalLM"], "hidden_size": 4096, "intermediate_size": 12288,
@@ -195,28 +196,11 @@ VARIANTS = {  # name -> make_engine options (the main table runs the engine's de
     # 64 spreads a batch-1 step of 512 keys over 8 partitions, 4096 over one (no merge kernel)
     "partitions-64": dict(min_partition=64),
     "partitions-4096": dict(min_partition=4096),
-    # every projection weight stored column-major: cuBLAS runs x @ W^T as another GEMM kind (no split-K?)
-    "column-major-weights": dict(column_major=True),
+    # every projection weight stored row-major, as before column-major storage became the GPU's default
+    # (models/weight_layout.py)
+    "row-major-weights": dict(column_major_weights=False),
 }
 CPU_VARIANTS = ("overlap-steps",)  # those the CPU dry run (--tiny) runs too: no compile, no CUDA needed
-
-
-def store_weights(model, column_major: bool) -> None:
-    """Every projection weight stored column-major ([in, out] in memory; the same [out, in] tensor), or back
-    row-major: cuBLAS then multiplies x @ W^T as another kind of GEMM and picks other kernels (issue 21's weight
-    layouts).  Fused q/k/v and gate/up weights move as one (FusedProjection.set_weight re-points their layers)."""
-    def laid(w: torch.Tensor) -> torch.Tensor:
-        return w.t().contiguous().t() if column_major else w.contiguous()
-
-    fused = set()
-    for module in model.modules():
-        for proj in (getattr(module, "qkv", None), getattr(module, "gate_up", None)):
-            if proj is not None:
-                proj.set_weight(laid(proj.weight))
-                fused.update(id(layer) for layer in proj.layers)
-    for module in model.modules():
-        if isinstance(module, torch.nn.Linear) and id(module) not in fused:
-            module.weight.data = laid(module.weight.data)
 
 
 def set_min_partition(keys: int | None) -> int | None:
@@ -239,13 +223,13 @@ def variant_rows(model, args, vocab: int, gen, device, save=lambda rows: None) -
         options = dict(VARIANTS[name])
         writer = Kernels.qk_rope_write if options.pop("qk_rope_write", True) else None
         min_partition = options.pop("min_partition", None)
-        column_major = options.pop("column_major", False)
+        row_major = options.get("column_major_weights") is False
         for batch in (int(b) for b in args.variant_batches.split(",")):
             t0 = time.perf_counter()
             saved, Kernels.qk_rope_write = Kernels.qk_rope_write, writer
             saved_partition = set_min_partition(min_partition)
-            if column_major:
-                store_weights(model, column_major=True)
+            if row_major:
+                lay_out_weights(model, column_major=False)
             try:
                 engine = make_engine(model, batch, context, batch * 64 + context + 64 * (args.max_k + 2) * batch,
                                      **options)
@@ -264,9 +248,9 @@ def variant_rows(model, args, vocab: int, gen, device, save=lambda rows: None) -
             finally:
                 Kernels.qk_rope_write = saved
                 set_min_partition(saved_partition)
-                if column_major:
+                if row_major:
                     engine = None  # its graphs read the weights about to move
-                    store_weights(model, column_major=False)
+                    lay_out_weights(model, column_major=device.type == "cuda")  # as the default engines leave them
             rows[-1]["setup_s"] = time.perf_counter() - t0
             print(name, {k: v for k, v in rows[-1].items() if k != "profile"}, flush=True)
             save(rows)

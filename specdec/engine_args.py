@@ -32,6 +32,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="schedule and launch each plain decode step while the one before it still runs on the "
                              "device, fed its tokens from there (needs static shapes and fixed acceptance, and a "
                              "model that is not hybrid; default: on where those hold)")
+    parser.add_argument("--column-major-weights", action=argparse.BooleanOptionalAction, default=None,
+                        help="store projection weights column-major, for cuBLAS's faster decode GEMMs (default: on "
+                             "a GPU with the fused kernels)")
     parser.add_argument("--no-fused-kernels", action="store_true",
                         help="on a GPU, run the plain PyTorch elementwise kernels instead of compiled fused ones")
     parser.add_argument("--attention-backend", choices=("sdpa", "triton"), default=None,
@@ -51,5 +54,6 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 overlap_steps=getattr(args, "overlap_steps", None),
                 max_model_len=getattr(args, "max_model_len", None),
                 fused_kernels=False if getattr(args, "no_fused_kernels", False) else None,
+                column_major_weights=getattr(args, "column_major_weights", None),
                 attention_backend=getattr(args, "attention_backend", None),
                 tensor_parallel_size=getattr(args, "tensor_parallel_size", 1))

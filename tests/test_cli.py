@@ -86,6 +86,9 @@ def test_overlap_steps_flag_reaches_the_engine(qwen3_dir, capsys):
 
     args = build_parser().parse_args(["generate", str(qwen3_dir), "--overlap-steps"])
     assert engine_kwargs(args)["overlap_steps"] is True
+    assert engine_kwargs(args)["column_major_weights"] is None
+    args = build_parser().parse_args(["generate", str(qwen3_dir), "--no-column-major-weights"])
+    assert engine_kwargs(args)["column_major_weights"] is False
     assert main(["generate", str(qwen3_dir), "--prompt", "abc", "--max-tokens", "2", "--device", "cpu",
                  "--no-overlap-steps"]) == 0
     assert main(["generate", str(qwen3_dir), "--prompt", "abc", "--device", "cpu", "--overlap-steps"]) == 2

@@ -41,26 +41,6 @@ def test_idle_gaps_split_kernel_boundaries_from_host_waits():
     assert decode.idle_gaps([]) == {"short_gap_us": 0, "short_gaps": 0, "long_gap_us": 0, "long_gaps": 0}
 
 
-def test_column_major_weights_keep_the_function_and_the_fused_views():
-    """store_weights moves every projection to column-major storage and back: the logits stay the same, the
-    fused q/k/v and gate/up weights keep serving their layers (no fallback to one GEMM each)."""
-    from specdec.engine.engine import Engine, EngineConfig
-    from specdec.models.config import ModelConfig
-    from specdec.models.loader import random_model
-
-    model = random_model(ModelConfig.from_dict(decode.TINY), torch.device("cpu"), torch.float32, seed=0)
-    engine = Engine(model, EngineConfig(kv_cache_tokens=256, max_num_seqs=2))
-    ids = list(range(3, 40))
-    before = engine.all_logits(ids)
-    attn = model.model.layers[0].self_attn
-    decode.store_weights(model, column_major=True)
-    assert not attn.o_proj.weight.is_contiguous() and attn.o_proj.weight.t().is_contiguous()
-    assert not attn.qkv.weight.is_contiguous() and attn.qkv.valid() and model.model.layers[0].mlp.gate_up.valid()
-    torch.testing.assert_close(engine.all_logits(ids), before, atol=1e-5, rtol=1e-5)
-    decode.store_weights(model, column_major=False)
-    assert attn.o_proj.weight.is_contiguous() and attn.qkv.weight.is_contiguous() and attn.qkv.valid()
-
-
 def test_the_host_gap_splits_into_host_waits_and_kernel_boundaries():
     profile = {"idle": {"short_gap_us": 300.0, "short_gaps": 550, "long_gap_us": 40.0, "long_gaps": 1}}
     assert decode.idle_split(profile) == {"host_wait_ms_bs1": 0.04, "kernel_boundaries_ms_bs1": 0.3}

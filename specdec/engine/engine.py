@@ -23,6 +23,7 @@ from specdec.errors import ConfigError, InvalidRequestError
 from specdec.models.attention import BACKENDS as ATTENTION_BACKENDS, kernel_device, set_attention_backend
 from specdec.models.qwen3_5 import HybridCausalLM
 from specdec.models.transformer import CausalLM
+from specdec.models.weight_layout import lay_out_weights
 from specdec.sampling import SamplingParams, top_logprobs
 from specdec.transfer import upload
 from specdec.verify_tree import Verdict
@@ -61,6 +62,9 @@ class EngineConfig:
     fused_kernels: bool | None = None  # compiled elementwise kernels (specdec.models.fused); None: on a GPU.
     # Once on, they stay on for the process (specdec.models.fused.Kernels is shared by every model).
     compile_graphs: str | None = None  # torch.compile backend for each fixed-shape step before capture
+    # Projection weights stored column-major (models/weight_layout.py: cuBLAS's NN GEMMs, fewer split-K
+    # reductions at decode's few rows; docs/BENCHMARKS.md).  None: on a GPU with the fused kernels.
+    column_major_weights: bool | None = None
     # Eager steps (prefills, mixed steps) replay everything but attention as CUDA graphs per token bucket
     # (engine/piecewise.py): 2-3x cheaper eager steps for the reference target on the H200.  None: on with
     # CUDA graphs on a GPU, unless tensor-parallel (not supported there yet) or a hybrid model (Qwen3.5:
@@ -150,6 +154,8 @@ class Engine:
         set_attention_backend(self.attention_backend)  # before any graph is captured: graphs keep their choice
         self.runner = ModelRunner(model, self.kv_cache, self.device, self._static_runner(), self._piecewise_runner(),
                                   self.states)
+        if self._column_major_weights():  # before any graph is captured (graphs keep the weights' addresses)
+            lay_out_weights(model, column_major=True)
         self.fixed_acceptance = self._on_unless_set_off(config.fixed_acceptance)
         self.overlap_steps = self._use_overlap()
         self.in_flight: InFlight | None = None  # the step left in flight (engine/overlap.py), or None
@@ -186,6 +192,12 @@ class Engine:
     def _on_unless_set_off(self, setting: bool | None) -> bool:
         """A fixed-shape runner's option measured to pay on a GPU: as set, else (None) on; off without the runner."""
         return self.runner.static is not None and setting is not False
+
+    def _column_major_weights(self) -> bool:
+        setting = self.config.column_major_weights
+        if setting is None:
+            return self.device.type == "cuda" and self.config.fused_kernels is not False
+        return setting
 
     def _use_overlap(self) -> bool:
         setting = self.config.overlap_steps
