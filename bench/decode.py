@@ -196,6 +196,9 @@ VARIANTS = {  # name -> make_engine options (the main table runs the engine's de
     # 64 spreads a batch-1 step of 512 keys over 8 partitions, 4096 over one (no merge kernel)
     "partitions-64": dict(min_partition=64),
     "partitions-4096": dict(min_partition=4096),
+    # the split partitions of MIN_PARTITION keys planned for the graph's longest context, as before each
+    # sequence shared its own keys among the splits
+    "fixed-partitions": dict(shared_partitions=False),
     # every projection weight stored row-major, as before column-major storage became the GPU's default
     # (models/weight_layout.py)
     "row-major-weights": dict(column_major_weights=False),
@@ -203,12 +206,14 @@ VARIANTS = {  # name -> make_engine options (the main table runs the engine's de
 CPU_VARIANTS = ("overlap-steps",)  # those the CPU dry run (--tiny) runs too: no compile, no CUDA needed
 
 
-def set_min_partition(keys: int | None) -> int | None:
-    """Set the paged-attention kernel's MIN_PARTITION (where its module is in use); returns the value before."""
+def set_kernel_option(name: str, value):
+    """Set the paged-attention kernel's module constant `name` (MIN_PARTITION, SHARED_PARTITIONS) where its module
+    is in use and value is not None; returns the value before (None where nothing was set)."""
     module = sys.modules.get("specdec.kernels.paged_attention")
-    if keys is None or module is None:
+    if value is None or module is None:
         return None
-    before, module.MIN_PARTITION = module.MIN_PARTITION, keys
+    before = getattr(module, name)
+    setattr(module, name, value)
     return before
 
 
@@ -222,12 +227,13 @@ def variant_rows(model, args, vocab: int, gen, device, save=lambda rows: None) -
     for name in names:
         options = dict(VARIANTS[name])
         writer = Kernels.qk_rope_write if options.pop("qk_rope_write", True) else None
-        min_partition = options.pop("min_partition", None)
+        kernel_options = {"MIN_PARTITION": options.pop("min_partition", None),
+                          "SHARED_PARTITIONS": options.pop("shared_partitions", None)}
         row_major = options.get("column_major_weights") is False
         for batch in (int(b) for b in args.variant_batches.split(",")):
             t0 = time.perf_counter()
             saved, Kernels.qk_rope_write = Kernels.qk_rope_write, writer
-            saved_partition = set_min_partition(min_partition)
+            saved_options = {name: set_kernel_option(name, value) for name, value in kernel_options.items()}
             if row_major:
                 lay_out_weights(model, column_major=False)
             try:
@@ -247,7 +253,8 @@ def variant_rows(model, args, vocab: int, gen, device, save=lambda rows: None) -
                 rows.append({"variant": name, "batch": batch, "error": f"{type(exc).__name__}: {exc}"[:500]})
             finally:
                 Kernels.qk_rope_write = saved
-                set_min_partition(saved_partition)
+                for name, value in saved_options.items():
+                    set_kernel_option(name, value)
                 if row_major:
                     engine = None  # its graphs read the weights about to move
                     lay_out_weights(model, column_major=device.type == "cuda")  # as the default engines leave them

@@ -25,7 +25,7 @@ kernel = kernel_module("specdec.kernels.paged_attention")  # None outside the ch
 @parent_only
 def test_kernel_cases_under_the_interpreter():
     """This file's kernel cases, in a child process started with TRITON_INTERPRET=1."""
-    run_child(__file__, min_passed=10)
+    run_child(__file__, min_passed=11)
 
 
 def make_case(query_lens, context_lens, block_size, kv_heads=2, group=2, head_dim=32, dtype=torch.float32,
@@ -95,6 +95,20 @@ def test_split_partitions_and_row_chunks_merge_exactly(partition_keys, max_rows)
     out = run_kernel(q, k_cache, v_cache, batch, 0.25, partition_keys=partition_keys, max_rows=max_rows)
     torch.testing.assert_close(out, expected, atol=2e-5, rtol=1e-4)
     assert kernel.split_plan(3, 1, 250, q.device, 64, partition_keys)[0] > 1
+
+
+@child_only
+def test_contexts_far_shorter_than_the_graphs_share_every_split():
+    """A step planned for contexts of up to 2048 keys (a graph's bucket: 8 splits at batch 2) with sequences of
+    1, 70 and 513 keys: each sequence's keys shared among the splits (one tile each, most empty for the short
+    ones) give the single-pass result, as fixed partitions of 256 keys do."""
+    q, k_cache, v_cache, batch = make_case([1, 4, 1], [1, 70, 513], 16, kv_heads=2, group=2, seed=8)
+    expected = reference(q, k_cache, v_cache, batch, 0.3)
+    batch.max_context_len = 2048
+    assert kernel.split_plan(3, 2, 2048, q.device, 64)[0] > 1
+    torch.testing.assert_close(run_kernel(q, k_cache, v_cache, batch, 0.3), expected, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(run_kernel(q, k_cache, v_cache, batch, 0.3, partition_keys=256), expected,
+                               atol=2e-5, rtol=1e-4)
 
 
 @child_only

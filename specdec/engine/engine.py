@@ -62,8 +62,8 @@ class EngineConfig:
     fused_kernels: bool | None = None  # compiled elementwise kernels (specdec.models.fused); None: on a GPU.
     # Once on, they stay on for the process (specdec.models.fused.Kernels is shared by every model).
     compile_graphs: str | None = None  # torch.compile backend for each fixed-shape step before capture
-    # Projection weights stored column-major (models/weight_layout.py: cuBLAS's NN GEMMs, fewer split-K
-    # reductions at decode's few rows; docs/BENCHMARKS.md).  None: on a GPU with the fused kernels.
+    # Projection weights stored column-major (models/weight_layout.py: cuBLAS's NN GEMMs, faster at decode's
+    # few rows; docs/BENCHMARKS.md).  None: on a GPU with the fused kernels.
     column_major_weights: bool | None = None
     # Eager steps (prefills, mixed steps) replay everything but attention as CUDA graphs per token bucket
     # (engine/piecewise.py): 2-3x cheaper eager steps for the reference target on the H200.  None: on with

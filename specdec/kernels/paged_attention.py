@@ -13,7 +13,10 @@ rows 0..11, row r being query r // 4 of query head kv_head * 4 + r % 4; the tile
 needs at least 16).  Long contexts at small batch are split over several partitions (flash-decoding), each
 program keeping an online softmax in float32 (base 2, the scale folded in), and a second kernel merges the
 partitions' (max, sum, accumulator).  The split is chosen on the host from the batch size and the longest
-context, so a fixed-shape step (a CUDA graph) always launches the same grid.
+context, so a fixed-shape step (a CUDA graph) always launches the same grid; each program then takes its share
+of its own sequence's keys, so that every split works whatever the step's real contexts.  Example: a graph of
+contexts up to 2048 splits batch 1 into 8 partitions; a sequence of 512 keys gives each 64 keys (one tile), not
+2 partitions of 256 keys and 6 idle ones.
 
 `paged_attention` is the entry point; `supports` says whether a call can run here.  Under torch.compile it is
 called through an opaque custom op (specdec::paged_attention) with a shape-only fake.
@@ -33,6 +36,7 @@ LOG2E = 1.4426950408889634
 MAX_QUERIES = 17  # queries per sequence the row tile is sized for (verify of 16 drafts + 1)
 MAX_ROWS = 128  # rows (queries x grouped heads) of one program's tile; more are split into chunks
 MIN_PARTITION = 256  # keys: a split partition never covers fewer (its merge would cost more than it saves)
+SHARED_PARTITIONS = True  # each sequence shares its own keys among the splits (False: MIN_PARTITION-sized ones)
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -109,6 +113,8 @@ def _partition_kernel(
     m_i = tl.full([ROWS], float("-inf"), tl.float32)  # running max (base 2)
     l_i = tl.zeros([ROWS], tl.float32)  # running sum of exp2(score - m_i)
     acc = tl.zeros([ROWS, HEAD_PAD], tl.float32)
+    if partition_keys == 0:  # the sequence's own context over the grid's splits, whole tiles each
+        partition_keys = tl.cdiv(tl.cdiv(ctx, num_splits), BLOCK_N) * BLOCK_N
     start = split * partition_keys
     end = tl.minimum(start + partition_keys, ctx)
     end = tl.where(split == num_splits - 1, ctx, end)  # the last partition takes any keys past the plan
@@ -214,10 +220,11 @@ def _processors(device: torch.device) -> int:
 
 def split_plan(num_seqs: int, kv_heads: int, max_context_len: int, device: torch.device, block_n: int,
                partition_keys: int | None = None) -> tuple[int, int]:
-    """(splits, keys per partition): about 4 programs per processor at small batch, partitions of at least
-    MIN_PARTITION keys, a multiple of block_n.  Example (132 processors, Hkv 8, 8192 keys): batch 1 wants
-    528 / 8 = 66 splits, capped at 8192 / 256 = 32 -> 32 partitions of 256 keys; batch 8 -> 9 splits of 960
-    keys; batch 64 has 512 programs already -> 1 split."""
+    """(splits, keys per partition) for the longest context: about 4 programs per processor at small batch,
+    partitions of at least MIN_PARTITION keys, a multiple of block_n.  Example (132 processors, Hkv 8, 8192
+    keys): batch 1 wants 528 / 8 = 66 splits, capped at 8192 / 256 = 32 -> 32 partitions of 256 keys; batch 8
+    -> 9 splits of 960 keys; batch 64 has 512 programs already -> 1 split.  (launch keeps the splits and lets
+    each sequence share its own context among them.)"""
     if partition_keys is None:
         wanted = -(-4 * _processors(device) // (num_seqs * kv_heads))
         splits = max(1, min(wanted, max_context_len // MIN_PARTITION))
@@ -234,7 +241,9 @@ def launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, query_
     """q [T, H, D], caches [slots, Hkv, D], query_start [B+1], context_lens [B], block_tables [B, W] ->
     out [T, H, D] (q's dtype).  tree_mask (specdec/kernels/tree_mask.py) replaces the causal rule among a
     sequence's new tokens.  partition_keys / block_n / num_warps / max_rows override the launch heuristics
-    (benchmarks, tests).  Example: q 17, G 4 -> 68 rows in one tile of 128; G 8 -> 136 rows, 2 chunks of 128."""
+    (benchmarks, tests; partition_keys fixes every partition's keys, where by default each sequence shares its
+    own context among the splits).  Example: q 17, G 4 -> 68 rows in one tile of 128; G 8 -> 136 rows, 2 chunks
+    of 128."""
     num_rows, heads, head_dim = q.shape
     num_seqs, kv_heads = context_lens.shape[0], k_cache.shape[1]
     group = heads // kv_heads
@@ -243,8 +252,10 @@ def launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, query_
     head_pad = max(16, triton.next_power_of_2(head_dim))
     block_n = block_n or (64 if rows * head_pad <= 64 * 128 else 32)
     num_warps = num_warps or (4 if rows <= 32 else 8)
-    splits, partition_keys = split_plan(num_seqs, kv_heads, max(1, max_context_len), q.device, block_n,
-                                        partition_keys)
+    splits, fixed_keys = split_plan(num_seqs, kv_heads, max(1, max_context_len), q.device, block_n,
+                                    partition_keys)
+    if partition_keys is None and SHARED_PARTITIONS:
+        fixed_keys = 0  # each sequence's share of its own keys (_partition_kernel)
     out = q.new_empty(q.shape)
     tree = query_start if tree_mask is None else tree_mask  # (any pointer when unused)
     tree = tree.view(torch.int8) if tree.dtype == torch.bool else tree
@@ -259,7 +270,7 @@ def launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, query_
         q, k_cache, v_cache, out, part_m, part_l, part_acc, query_start, context_lens, block_tables, tree,
         scale * LOG2E, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0),
         v_cache.stride(1), out.stride(0), out.stride(1), block_tables.stride(0), *strides,
-        partition_keys, splits, chunks,
+        fixed_keys, splits, chunks,
         BLOCK_SIZE=block_size, GROUP=group, ROWS=rows, HEAD_DIM=head_dim, HEAD_PAD=head_pad, BLOCK_N=block_n,
         HAS_TREE=tree_mask is not None, SPLIT=splits > 1,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", DOT_TYPE=_dot_type(q.dtype),
