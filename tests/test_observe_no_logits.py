@@ -40,9 +40,11 @@ class SometimesZero:
 
 
 def sometimes_zero(llm, always: bool = False):
-    """The LLM with k = 0 on some steps (SometimesZero), its head observing with logits always or not."""
+    """The LLM with k = 0 on some steps (SometimesZero), its head observing every step (not asleep at k = 0,
+    speculate/head_sleep.py: the observes checked here) with logits always or not."""
     SometimesZero(llm.engine.controller)
     llm.engine.speculator.observe_logits_always = always
+    llm.engine.speculator.defer_limit = 0
     return llm
 
 

@@ -37,7 +37,8 @@ tensors; trees and shapes that do not fit go step by step.
 An observe of a step that drafted nothing (k = 0 for every sequence) skips its outputs' logits, a GEMV over the
 head's whole LM head (specdec/speculate/head_graphs.py's note): the head's state keeps last_logits None, and the
 chain that drafts from it next, if any, computes them from its last output (`observe_logits_always`: always
-compute them, as before).
+compute them, as before).  Such a step's plain decode rows are not even observed while the head sleeps
+(specdec/speculate/head_sleep.py): their feature rows are kept and fed in one forward when it next drafts.
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ from specdec.speculate.chain_graph import ChainGraphs
 from specdec.speculate.draw import draw_drafts
 from specdec.speculate.head_ahead import HeadAhead
 from specdec.speculate.head_graphs import HeadGraphs, Layout
+from specdec.speculate.head_sleep import HeadSleep, KeptAhead
 from specdec.transfer import upload
 from specdec.verify import in_target_vocab
 
@@ -67,13 +69,14 @@ class HeadState:
         self.computed = 0
         self.last: torch.Tensor | None = None  # [1, H] the head's output at position computed - 1
         self.last_logits: torch.Tensor | None = None  # [1, V_draft] its logits, when the forward computed them
+        self.pending: list[torch.Tensor] = []  # [1, F] feature rows of positions computed.. kept asleep (head_sleep)
         self.generator = None
         if seed is not None:  # a seeded request drafts reproducibly, from a stream of its own
             self.generator = torch.Generator(device=device)
             self.generator.manual_seed(seed ^ 0xEA61E)
 
 
-class Eagle3Speculator(HeadAhead, Speculator):
+class Eagle3Speculator(HeadAhead, HeadSleep, Speculator):
     name = "eagle3"
     has_draft_model = True  # proposing costs head forwards (the cost model times one: see HeadCostRunner)
 
@@ -107,13 +110,16 @@ class Eagle3Speculator(HeadAhead, Speculator):
         self.step_by_step = False  # True: chains take the step-by-step path even where a chain graph fits
         self.observe_logits_always = False  # True: observes compute logits even after a step without drafts
         self._init_ahead()  # what runs ahead of the host (speculate/head_ahead.py)
+        self._init_sleep()  # steps without drafts keep their rows (speculate/head_sleep.py)
         self.runner = HeadCostRunner(self)
         self.stats = {"draft_forwards": 0, "head_tokens_observed": 0, "skipped_no_blocks": 0,
                       "head_eager_forwards": 0,  # forwards that did not fit the padded buckets
                       "head_observed_ahead": 0,  # steps observed before the host read their acceptance
                       "head_chains_ahead": 0,  # chains launched before the host read the last step's acceptance
                       "head_chains_ahead_dropped": 0,  # of those, chains the next step did not use
-                      "head_observes_without_logits": 0}  # observes of a step without drafts that skipped logits
+                      "head_observes_without_logits": 0,  # observes of a step without drafts that skipped logits
+                      "head_positions_kept": 0,  # positions of steps without drafts kept asleep (head_sleep.py)
+                      "head_wakes": 0}  # forwards feeding kept positions before a chain
 
     # ------------------------------------------------------------------ after the target's step
 
@@ -123,7 +129,10 @@ class Eagle3Speculator(HeadAhead, Speculator):
         observe_ahead fed them already, settle what it launched."""
         ahead, self._ahead = self._ahead, None
         if ahead is not None and ahead.seqs is seqs:
-            self._settle(ahead)
+            if isinstance(ahead, KeptAhead):
+                self._settle_kept(ahead)
+            else:
+                self._settle(ahead)
             return
         rows = []  # (request, first position, count, ids: token p + 1 for position p, features [count, 3 H_t])
         for i, (seq, start) in enumerate(zip(seqs, starts)):
@@ -133,8 +142,12 @@ class Eagle3Speculator(HeadAhead, Speculator):
                 continue
             rows.append((req, start, count, req.token_ids_between(start + 1, start + 1 + count),
                          runner.step_features(i, count)))
+        self._feed(self._sleep_or_wake(rows, self._sleeps(seqs)), self._observe_with_logits(seqs))
+
+    def _feed(self, rows, with_logits: bool) -> None:
+        """Head forwards over these rows: those of at most the graphs' q positions in one, longer ones in
+        another (eager)."""
         short = self.graphs.max_q if self.graphs is not None else 0
-        with_logits = self._observe_with_logits(seqs)
         for group in ([r for r in rows if r[2] <= short], [r for r in rows if r[2] > short]):
             if group:
                 self._observe(group, with_logits)
@@ -166,7 +179,8 @@ class Eagle3Speculator(HeadAhead, Speculator):
     def propose(self, requests: list[Request], ks: list[int]) -> None:
         """Each request's chain of up to ks[i] drafts.  Where propose_ahead launched this step's chains already
         and they are the chains planned here, they are handed out instead of drafted again; otherwise they are
-        dropped (drop_ahead) and the chains drafted here."""
+        dropped (drop_ahead) and the chains drafted here.  A request whose head sleeps is woken first."""
+        self._wake([req for req, k in zip(requests, ks) if k > 0])
         active = []
         for req, k in zip(requests, ks):
             req.clear_drafts()

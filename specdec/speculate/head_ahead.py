@@ -86,6 +86,11 @@ class HeadAhead:
         writes that land in blocks the commit then trims are queued before, in stream order, any later use of
         those blocks."""
         layout = self._ahead_layout(seqs, starts)
+        if self._sleeps(seqs) and layout is not None:  # a step without drafts: its rows kept (head_sleep.py)
+            self._ahead = self._keep_ahead(seqs, starts, runner)
+            return True
+        if self._keeps_any(seqs):  # fed after the commit, led by the kept rows
+            return False
         with_logits = self._observe_with_logits(seqs)
         picked = None if layout is None else self._graphs_for(layout, with_logits)
         if picked is None:
@@ -149,7 +154,7 @@ class HeadAhead:
         launched."""
         self.drop_ahead()  # (a chain launched ahead is consumed or dropped by the propose after it: a guard)
         ahead = self._ahead
-        if not self.chain_ahead or ahead is None or ahead.seqs is not seqs:
+        if not self.chain_ahead or not isinstance(ahead, ObservedAhead) or ahead.seqs is not seqs:
             return False
         if self.tree_width != 1 or self.chain_graphs is None or self.step_by_step:
             return False
