@@ -25,7 +25,7 @@ kernel = kernel_module("specdec.kernels.paged_attention")  # None outside the ch
 @parent_only
 def test_kernel_cases_under_the_interpreter():
     """This file's kernel cases, in a child process started with TRITON_INTERPRET=1."""
-    run_child(__file__, min_passed=11)
+    run_child(__file__, min_passed=11, parent_tests=3)  # this test and the two sm_90 compiles
 
 
 def make_case(query_lens, context_lens, block_size, kv_heads=2, group=2, head_dim=32, dtype=torch.float32,
@@ -109,6 +109,40 @@ def test_contexts_far_shorter_than_the_graphs_share_every_split():
     torch.testing.assert_close(run_kernel(q, k_cache, v_cache, batch, 0.3), expected, atol=2e-5, rtol=1e-4)
     torch.testing.assert_close(run_kernel(q, k_cache, v_cache, batch, 0.3, partition_keys=256), expected,
                                atol=2e-5, rtol=1e-4)
+
+
+@parent_only
+@pytest.mark.parametrize("split,tree", [(True, False), (False, True)])
+def test_the_kernels_compile_for_hopper(split, tree):
+    """The interpreter runs the kernels as Python and so accepts code Triton's compiler refuses (a partition
+    size whose type changes in a branch did, 7410787): compile both to PTX for sm_90 (no GPU needed) in bf16 at
+    the Qwen3-8B shape, with the engine's argument types (int64 context lengths and block tables)."""
+    import triton
+    import triton.language as tl
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from specdec.kernels import paged_attention as compiled
+
+    def ptx(fn, pointers: dict, scalars: dict, constants: dict) -> str:
+        signature = {**pointers, **scalars, **{name: "constexpr" for name in constants}}
+        source = ASTSource(fn=fn, signature=signature, constexprs=constants)
+        return triton.compile(source, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
+
+    pointers = dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", out_ptr="*bf16", part_m_ptr="*fp32",
+                    part_l_ptr="*fp32", part_acc_ptr="*fp32", query_start_ptr="*i64", context_lens_ptr="*i64",
+                    block_tables_ptr="*i64", tree_ptr="*i8")
+    ints = ("stride_qt", "stride_qh", "stride_ks", "stride_kh", "stride_vs", "stride_vh", "stride_ot", "stride_oh",
+            "stride_bt", "tree_sb", "tree_st", "tree_si", "tree_sj", "partition_keys", "num_splits", "num_chunks")
+    constants = dict(BLOCK_SIZE=16, GROUP=4, ROWS=16, HEAD_DIM=128, HEAD_PAD=128, BLOCK_N=64, HAS_TREE=tree,
+                     SPLIT=split, PRECISION="tf32", DOT_TYPE=tl.bfloat16, INTERPRET=False)
+    code = ptx(compiled._partition_kernel, pointers, {"qk_scale": "fp32", **{n: "i32" for n in ints}}, constants)
+    assert ".entry _partition_kernel" in code and "st.global" in code
+    merge_pointers = {n: pointers[n] for n in ("out_ptr", "part_m_ptr", "part_l_ptr", "part_acc_ptr",
+                                               "query_start_ptr")}
+    merge_ints = {n: "i32" for n in ("stride_ot", "stride_oh", "num_splits", "num_chunks")}
+    merge_constants = dict(GROUP=4, ROWS=16, HEAD_DIM=128, HEAD_PAD=128, INTERPRET=False)
+    assert ".entry _merge_kernel" in ptx(compiled._merge_kernel, merge_pointers, merge_ints, merge_constants)
 
 
 @child_only

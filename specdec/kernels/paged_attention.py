@@ -113,10 +113,10 @@ def _partition_kernel(
     m_i = tl.full([ROWS], float("-inf"), tl.float32)  # running max (base 2)
     l_i = tl.zeros([ROWS], tl.float32)  # running sum of exp2(score - m_i)
     acc = tl.zeros([ROWS, HEAD_PAD], tl.float32)
-    if partition_keys == 0:  # the sequence's own context over the grid's splits, whole tiles each
-        partition_keys = tl.cdiv(tl.cdiv(ctx, num_splits), BLOCK_N) * BLOCK_N
-    start = split * partition_keys
-    end = tl.minimum(start + partition_keys, ctx)
+    # partition_keys 0: the sequence's own context over the grid's splits, whole tiles each
+    keys = tl.where(partition_keys > 0, partition_keys, tl.cdiv(tl.cdiv(ctx, num_splits), BLOCK_N) * BLOCK_N)
+    start = split * keys
+    end = tl.minimum(start + keys, ctx)
     end = tl.where(split == num_splits - 1, ctx, end)  # the last partition takes any keys past the plan
     if INTERPRET:  # the interpreter takes no tensor loop bounds (numpy >= 2.4): the same tiles, by while
         n0 = start
