@@ -1,5 +1,5 @@
 """A head asleep while its controller plans k = 0 (speculate/head_sleep.py): steps without drafts keep their feature
-rows, fed in one forward when the head next drafts or a request has kept defer_limit of them.  Run on the CPU
+rows, fed in one forward when the head next drafts or a request has kept kept_limit of them.  Run on the CPU
 with float32 tiny models: greedy output equal to plain decoding (EAGLE-3 and MTP, fixed shapes and not), every
 step verifying the drafts an awake head gives (and a head fed the wrong rows would draft others), seeded sampled
 replies the same asleep and awake, preemption and chunked prefill, and no head forward at all on a run of
@@ -139,3 +139,15 @@ def test_a_run_of_plain_steps_runs_no_head_forward_and_keeps_at_most_the_limit(q
     assert forwards[:2] == [30, prompts_fed - 30] and all(n % 8 == 0 for n in forwards[2:])
     assert kept(llm) - 8 * len(mixed_prompts()) < unfed <= kept(llm)
     assert len(forwards) - 2 <= kept(llm) / 8  # one forward for every 8 kept positions of a request at most
+
+
+def test_the_limit_is_the_widest_observe_the_head_graphs_captured(qwen3_dir, head_dir):
+    """By default a request keeps as many rows as the widest observe the head's graphs hold, so that feeding them
+    replays a graph: q = k + 1 of the largest k the controller may choose (8 before precapture, or without graphs)."""
+    spec = eagle_llm(qwen3_dir, head_dir, 3, static_shapes=True, max_graph_batch=8).engine.speculator
+    assert spec.defer_limit is None and spec.kept_limit == 8
+    spec.precapture_graphs([1, 2, 3], eager=True)
+    assert spec.graphs.q_ladder == [1, 2, 3, 4] and spec.kept_limit == 4
+    spec.defer_limit = 0
+    assert spec.kept_limit == 0 and not spec._sleeps([])
+    assert eagle_llm(qwen3_dir, head_dir, 3).engine.speculator.kept_limit == 8  # no graphs (eager steps)

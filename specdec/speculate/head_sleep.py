@@ -1,5 +1,6 @@
 """An EAGLE-3 / MTP head asleep while its controller plans k = 0: it keeps each plain step's feature rows and
-feeds them in one forward when it next drafts (or when it has kept `defer_limit` positions of a request).
+feeds them in one forward when it next drafts (or when a request has kept `kept_limit` positions: by default
+the widest observe its graphs hold, so that the forward replays one).
 
 Where speculation does not pay (k = 0: a busy engine, a head that is rarely accepted), observing every step
 costs a head forward each: fc over the target's features and one decoder layer, its weights read from memory
@@ -40,12 +41,25 @@ class KeptAhead(NamedTuple):
 class HeadSleep:
     """The sleeping part of Eagle3Speculator: keep rows (sleep), feed them (wake)."""
 
+    DEFAULT_LIMIT = 8  # kept positions a request feeds at once, without head graphs (a CPU)
+
     def _init_sleep(self) -> None:
-        self.defer_limit = 32  # positions a request may keep before they are fed anyway (0: observe every step)
+        # positions a request may keep before they are fed anyway; 0: observe every step; None: the widest
+        # observe the head's graphs captured (8 for k <= 7), so that every wake and catch-up replays a graph
+        # (an eager forward of 16 x 32 positions took 12.8 ms on the H100, a third of what sleeping saved)
+        self.defer_limit: int | None = None
+
+    @property
+    def kept_limit(self) -> int:
+        """defer_limit resolved: None -> the head graphs' widest captured q (DEFAULT_LIMIT before precapture)."""
+        if self.defer_limit is not None:
+            return self.defer_limit
+        ladder = self.graphs.q_ladder if self.graphs is not None else []
+        return max(2, ladder[-1]) if ladder else self.DEFAULT_LIMIT
 
     def _sleeps(self, seqs: list[ScheduledSeq]) -> bool:
         """Whether this step's plain decode rows are kept rather than fed: no sequence of it has drafts."""
-        return self.defer_limit > 0 and not any(seq.num_drafts for seq in seqs)
+        return self.kept_limit > 0 and not any(seq.num_drafts for seq in seqs)
 
     def _keep_ahead(self, seqs: list[ScheduledSeq], starts: list[int], runner) -> KeptAhead:
         """observe_ahead of a step without drafts: copy its feature rows aside before a later forward overwrites
@@ -67,7 +81,7 @@ class HeadSleep:
         """rows: (request, first position, count, ids, features [count, F]) of a step's committed positions.
         Keeps the plain decode rows where `sleep` (copying their features unless `owned`) and returns the rows
         to feed now: the others, each led by its request's kept rows, and any request's kept rows that reached
-        defer_limit."""
+        kept_limit."""
         feed, keep = [], []
         for row in rows:
             req, start, count = row[0], row[1], row[2]
@@ -84,7 +98,7 @@ class HeadSleep:
                 state = self._state(row[0])
                 state.pending.append(row[4] if owned else copies[i:i + 1])
                 self.stats["head_positions_kept"] += 1
-                if len(state.pending) >= self.defer_limit:
+                if len(state.pending) >= self.kept_limit:
                     feed.append(self._kept_row(row[0]))
         return feed
 
