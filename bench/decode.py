@@ -233,7 +233,7 @@ def variant_rows(model, args, vocab: int, gen, device, save=lambda rows: None) -
         for batch in (int(b) for b in args.variant_batches.split(",")):
             t0 = time.perf_counter()
             saved, Kernels.qk_rope_write = Kernels.qk_rope_write, writer
-            saved_options = {name: set_kernel_option(name, value) for name, value in kernel_options.items()}
+            saved_options = {option: set_kernel_option(option, value) for option, value in kernel_options.items()}
             if row_major:
                 lay_out_weights(model, column_major=False)
             try:
@@ -253,8 +253,8 @@ def variant_rows(model, args, vocab: int, gen, device, save=lambda rows: None) -
                 rows.append({"variant": name, "batch": batch, "error": f"{type(exc).__name__}: {exc}"[:500]})
             finally:
                 Kernels.qk_rope_write = saved
-                for name, value in saved_options.items():
-                    set_kernel_option(name, value)
+                for option, value in saved_options.items():
+                    set_kernel_option(option, value)
                 if row_major:
                     engine = None  # its graphs read the weights about to move
                     lay_out_weights(model, column_major=device.type == "cuda")  # as the default engines leave them
