@@ -217,7 +217,8 @@ class StepClock:
 
 
 def profile_phases(llm: LLM, prompts: list[str], params: SamplingParams, steps: int) -> dict:
-    """Where one engine step's time goes, per phase (propose, schedule, verify forward, accept, commit, observe):
+    """Where one engine step's time goes, per phase (propose, schedule, verify forward, accept, commit, observe, and
+    within them observe ahead, chain ahead, wake):
     host milliseconds per step (the phase's wall time as the host runs it, waits for the device included) and
     device milliseconds per step (the kernels the phase launched, graph replays included), over `steps` steps
     of the prompts' replies decoding together under torch.profiler; `device_busy_ms` is every kernel's time per step, `step_ms` the wall."""
@@ -226,12 +227,15 @@ def profile_phases(llm: LLM, prompts: list[str], params: SamplingParams, steps: 
 
     engine = llm.engine
     spec = engine.speculator
+    # "observe ahead" and "chain ahead" run inside "accept" (queued behind the acceptance: its device time
+    # includes theirs), "wake" inside "propose" (a sleeping head fed its kept rows)
     targets = [("propose", spec, "propose"), ("observe", spec, "observe"), ("schedule", engine.scheduler, "schedule"),
                ("verify forward", engine.runner, "forward"), ("accept", engine_module, "sample_tokens"),
-               ("commit", engine, "_commit")]
+               ("commit", engine, "_commit"), ("observe ahead", spec, "observe_ahead"),
+               ("chain ahead", spec, "propose_ahead"), ("wake", spec, "_wake")]
     saved, host_s = [], collections.Counter()  # host_s: each phase's wall seconds, timed by its wrapper
     for label, owner, attr in targets:
-        if owner is None:
+        if owner is None or not hasattr(owner, attr):
             continue
         original = getattr(owner, attr)
         saved.append((owner, attr, original))
