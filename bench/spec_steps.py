@@ -338,20 +338,25 @@ def measure(name: str, make, prompts: list[str], tokens: int, device: torch.devi
     return row
 
 
-def with_head_switches(llm: LLM, early: bool | None, chain_ahead: bool | None) -> LLM:
+def with_head_switches(llm: LLM, early: bool | None, chain_ahead: bool | None, piecewise: bool = False) -> LLM:
     """The LLM with its head's early observe and chain ahead set as asked (None: left as the speculator has
-    them)."""
+    them), and with piecewise its eager forwards as two graphs around attention (head_piecewise.py), captured
+    here rather than at first use."""
     speculator = llm.engine.speculator
     if early is not None and hasattr(speculator, "early_observe"):
         speculator.early_observe = early
     if chain_ahead is not None and hasattr(speculator, "chain_ahead"):
         speculator.chain_ahead = chain_ahead
+    if piecewise and hasattr(speculator, "enable_piecewise"):
+        speculator.enable_piecewise(llm.engine.config.max_num_batched_tokens, llm.engine.config.cuda_graphs)
+        if speculator.piecewise is not None:
+            speculator.piecewise.capture_all()
     return llm
 
 
 def silenced(llm: LLM, config: str) -> LLM:
-    """A "-k0" config's LLM with its controller held at k = 0: the speculator observes every step and drafts
-    nothing, so the row says what speculation costs where it does not pay."""
+    """A "-k0" config's LLM with its controller held at k = 0: the speculator drafts nothing (a head sleeps,
+    head_sleep.py), so the row says what speculation costs where it does not pay."""
     if config.endswith("-k0"):
         llm.engine.controller.k_max = 0
     return llm
@@ -383,6 +388,9 @@ def main(argv=None) -> int:
     parser.add_argument("--chain-ahead", action=argparse.BooleanOptionalAction, default=None,
                         help="an EAGLE-3 / MTP head's next chain launched behind its early observe "
                              "(Eagle3Speculator.chain_ahead; default: the speculator's)")
+    parser.add_argument("--head-piecewise", action="store_true",
+                        help="an EAGLE-3 head's eager forwards (prefill observes, wide catch-ups) as two CUDA graphs "
+                             "around attention per token bucket (Eagle3Speculator.enable_piecewise)")
     parser.add_argument("--piecewise-graphs", action=argparse.BooleanOptionalAction, default=None,
                         help="the engines' EngineConfig.piecewise_graphs (default: the engine's)")
     parser.add_argument("--attention-backend", default=None, choices=("sdpa", "triton"),
@@ -435,7 +443,8 @@ def main(argv=None) -> int:
     for name in args.configs.split(","):
         options = {**engine, **overrides.get(name, {})}
         row = measure(name, lambda: silenced(with_head_switches(LLM(args.target, speculator=configs[name], **options),
-                                                                args.early_observe, args.chain_ahead), name),
+                                                                args.early_observe, args.chain_ahead,
+                                                                args.head_piecewise), name),
                       prompts, args.tokens, device, args.profile_steps, args.batch, args.temperature)
         results["rows"].append(row)
         print(json.dumps(row), flush=True)

@@ -93,13 +93,15 @@ def test_the_dry_run_reports_slow_steps_for_every_row(tmp_path, capsys):
 
 
 def test_the_profile_splits_a_head_step_into_its_phases(tmp_path):
-    """--profile-steps on a head config: the phases the engine ran, the head's wake among them (observe ahead and
-    chain ahead too where the step is accepted on its fixed shape, on a GPU), each with its host time."""
+    """--profile-steps on a head config (its eager forwards piecewise): the phases the engine ran, the head's
+    wake among them (observe ahead and chain ahead too where the step is accepted on its fixed shape, on a GPU),
+    each with its host time."""
     from bench.spec_steps import main
 
     out = tmp_path / "spec-steps.json"
     assert main(["--device", "cpu", "--target-twin", "", "--draft-twin", "", "--head-twin", "", "--prompts", "2",
-                 "--tokens", "12", "--configs", "eagle3-k3", "--profile-steps", "3", "--out", str(out)]) == 0
+                 "--tokens", "12", "--configs", "eagle3-k3", "--profile-steps", "3", "--head-piecewise",
+                 "--out", str(out)]) == 0
     phases = json.loads(out.read_text())["rows"][0]["profile"]["phases"]
     assert {"propose", "wake", "verify forward", "accept", "commit", "observe"} <= set(phases)
     assert set(phases) <= {"propose", "wake", "schedule", "verify forward", "accept", "commit", "observe",

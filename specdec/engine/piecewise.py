@@ -30,22 +30,71 @@ from specdec.models.transformer import CausalLM, KVCaches
 SMALLEST_BUCKET = 16
 
 
-class PiecewiseRunner:
-    def __init__(self, model: CausalLM, device: torch.device, max_tokens: int, capture: bool):
-        self.model = model
+class BucketPieces:
+    """Pieces of a forward captured as CUDA graphs once per token bucket (16, 32, ... up to max_tokens) and
+    replayed, or run eagerly on a CPU: what PiecewiseRunner and the head's (speculate/head_piecewise.py) share.
+    A subclass sets num_pieces and implements _piece(n, piece) on its static buffers' first n rows."""
+
+    num_pieces: int
+
+    def __init__(self, device: torch.device, max_tokens: int, capture: bool):
         self.device = device
         self.capture = capture and device.type == "cuda"
         self.buckets = [SMALLEST_BUCKET]
         while self.buckets[-1] < max_tokens:
             self.buckets.append(2 * self.buckets[-1])
+        self.graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}  # bucket -> one graph per piece
+        self.pool = torch.cuda.graph_pool_handle() if self.capture else None
+        self.forwards = 0
+
+    def fits(self, tokens: int) -> bool:
+        return tokens <= self.buckets[-1]
+
+    def bucket(self, tokens: int) -> int:
+        return next(b for b in self.buckets if b >= tokens)
+
+    def capture_all(self) -> int:
+        """Capture every bucket's pieces (on a GPU; nothing to do on a CPU); returns the graphs captured."""
+        if not self.capture:
+            return 0
+        for n in self.buckets:
+            if n not in self.graphs:
+                self.graphs[n] = self._capture(n)
+        return sum(len(g) for g in self.graphs.values())
+
+    def _run(self, n: int, piece: int) -> None:
+        if not self.capture:
+            self._piece(n, piece)
+            return
+        if n not in self.graphs:
+            self.graphs[n] = self._capture(n)
+        self.graphs[n][piece].replay()
+
+    def _piece(self, n: int, piece: int) -> None:
+        raise NotImplementedError
+
+    def _capture(self, n: int) -> list[torch.cuda.CUDAGraph]:
+        pieces = range(self.num_pieces)
+        warm_up(self.device, lambda: [self._piece(n, piece) for piece in pieces])  # (compiled kernels' first calls)
+        graphs = []
+        for piece in pieces:  # temporaries live in the shared pool; outputs go to the static buffers
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                self._piece(n, piece)
+            graphs.append(graph)
+        return graphs
+
+
+class PiecewiseRunner(BucketPieces):
+    def __init__(self, model: CausalLM, device: torch.device, max_tokens: int, capture: bool):
+        super().__init__(device, max_tokens, capture)
+        self.model = model
         self.num_layers = len(model.model.layers)
+        self.num_pieces = self.num_layers + 1
         self.ids, self.positions = self.buffer(kind=torch.long), self.buffer(kind=torch.long)
         hidden = model.config.hidden_size
         self.x, self.h = self.buffer(hidden), self.buffer(hidden)  # residual stream; normed
         self._layer_buffers()
-        self.graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}  # bucket -> one graph per piece
-        self.pool = torch.cuda.graph_pool_handle() if self.capture else None
-        self.forwards = 0
 
     def buffer(self, *shape: int, kind: torch.dtype | None = None) -> torch.Tensor:
         """A zeroed static buffer [widest bucket, *shape] (the model's dtype unless kind)."""
@@ -60,12 +109,6 @@ class PiecewiseRunner:
         self.q, self.k, self.v = (self.buffer(heads, head_dim), self.buffer(kv_heads, head_dim),
                                   self.buffer(kv_heads, head_dim))
         self.attended = self.buffer(heads, head_dim)
-
-    def fits(self, tokens: int) -> bool:
-        return tokens <= self.buckets[-1]
-
-    def bucket(self, tokens: int) -> int:
-        return next(b for b in self.buckets if b >= tokens)
 
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch, kv_caches: KVCaches,
@@ -98,24 +141,7 @@ class PiecewiseRunner:
         self.forwards += 1
         return self.model.lm_head(hidden if logits_index is None else hidden[logits_index])
 
-    def capture_all(self) -> int:
-        """Capture every bucket's pieces (on a GPU; nothing to do on a CPU); returns the graphs captured."""
-        if not self.capture:
-            return 0
-        for n in self.buckets:
-            if n not in self.graphs:
-                self.graphs[n] = self._capture(n)
-        return sum(len(g) for g in self.graphs.values())
-
     # ------------------------------------------------------------------ the pieces
-
-    def _run(self, n: int, piece: int) -> None:
-        if not self.capture:
-            self._piece(n, piece)
-            return
-        if n not in self.graphs:
-            self.graphs[n] = self._capture(n)
-        self.graphs[n][piece].replay()
 
     def _piece(self, n: int, piece: int) -> None:
         """Piece 0: embedding to layer 0's q / k / v; piece i + 1: layer i after its attention, to layer i + 1's
@@ -135,13 +161,3 @@ class PiecewiseRunner:
         self.k[:n].copy_(k)
         self.v[:n].copy_(v)
 
-    def _capture(self, n: int) -> list[torch.cuda.CUDAGraph]:
-        pieces = range(self.num_layers + 1)
-        warm_up(self.device, lambda: [self._piece(n, piece) for piece in pieces])  # (compiled kernels' first calls)
-        graphs = []
-        for piece in pieces:  # temporaries live in the shared pool; outputs go to the static buffers
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
-                self._piece(n, piece)
-            graphs.append(graph)
-        return graphs

@@ -57,6 +57,7 @@ from specdec.speculate.chain_graph import ChainGraphs
 from specdec.speculate.draw import draw_drafts
 from specdec.speculate.head_ahead import HeadAhead
 from specdec.speculate.head_graphs import HeadGraphs, Layout
+from specdec.speculate.head_piecewise import HeadPiecewise
 from specdec.speculate.head_sleep import HeadSleep, KeptAhead
 from specdec.transfer import upload
 from specdec.verify import in_target_vocab
@@ -112,6 +113,7 @@ class Eagle3Speculator(HeadAhead, HeadSleep, Speculator):
         self._init_ahead()  # what runs ahead of the host (speculate/head_ahead.py)
         self._init_sleep()  # steps without drafts keep their rows (speculate/head_sleep.py)
         self.runner = HeadCostRunner(self)
+        self.piecewise: HeadPiecewise | None = None  # eager forwards as two graphs around attention (opt-in)
         self.stats = {"draft_forwards": 0, "head_tokens_observed": 0, "skipped_no_blocks": 0,
                       "head_eager_forwards": 0,  # forwards that did not fit the padded buckets
                       "head_observed_ahead": 0,  # steps observed before the host read their acceptance
@@ -351,6 +353,13 @@ class Eagle3Speculator(HeadAhead, HeadSleep, Speculator):
             graphs, shape = picked
             return graphs.run_layout(layout, shape, ids, states)
         self.stats["head_eager_forwards"] += 1
+        ids, positions, batch = self._eager_inputs(ids, layout)
+        if self.piecewise is not None and self.piecewise.fits(ids.shape[0]):
+            return self.piecewise.forward(ids, positions, states, batch, self.kv.layers[0]), None
+        return self.head(ids, positions, states, batch, self.kv.layers[0]), None
+
+    def _eager_inputs(self, ids, layout: Layout):
+        """(ids [T], positions [T], AttentionBatch) of an eager forward of this layout, on the device."""
         starts, ctx, positions, slots = [0], [], [], []
         for blocks, start, count in layout:
             starts.append(starts[-1] + count)
@@ -358,10 +367,14 @@ class Eagle3Speculator(HeadAhead, HeadSleep, Speculator):
             positions.extend(range(start, start + count))
             slots.extend(slot_of(blocks, p, self.block_size) for p in range(start, start + count))
         batch = flat_attention_batch([b for b, _, _ in layout], starts, ctx, slots, self.block_size, self.device)
-        positions = upload(positions, self.device)
-        if isinstance(ids, list):
-            ids = upload(ids, self.device)
-        return self.head(ids, positions, states, batch, self.kv.layers[0]), None
+        return (upload(ids, self.device) if isinstance(ids, list) else ids), upload(positions, self.device), batch
+
+    def enable_piecewise(self, max_tokens: int, capture: bool = True) -> None:
+        """Run eager forwards of up to max_tokens positions as two graphs around attention (head_piecewise.py,
+        an Eagle3Head's only); the cost runner points at them so the engine's precapture captures them."""
+        if isinstance(self.head, Eagle3Head):
+            self.piecewise = HeadPiecewise(self.head, self.device, max_tokens, capture)
+            self.runner.piecewise = self.piecewise
 
     def _graphs_for(self, layout: Layout, with_logits: bool) -> tuple[HeadGraphs, tuple[int, int, int]] | None:
         """The head graphs that run a forward of this layout, and its shape bucket there; None: it runs eagerly.
