@@ -67,3 +67,21 @@ def test_a_hybrid_model_with_column_major_weights_equals_transformers(hybrid):
     assert tokens == expected
     mixers = [layer.linear_attn for layer in llm.engine.model.model.layers if hasattr(layer, "linear_attn")]
     assert mixers and all(is_column_major(m.in_proj.weight) and m.in_proj.valid() for m in mixers)
+
+
+def test_weights_move_before_the_kv_cache_takes_the_free_memory(monkeypatch):
+    """A moved weight's copy is transient, but on a GPU the KV cache is sized from the free memory: the move
+    comes first (a 27B model's LM head is 2.5 GB), the projections fused before it."""
+    import specdec.engine.engine as engine_module
+
+    model = random_model(ModelConfig.from_dict(TINY), torch.device("cpu"), torch.float32, seed=0)
+    layer, seen, real = model.model.layers[0], [], engine_module.KVCache
+
+    def recording(*args, **kwargs):
+        seen.append(layer.mlp.gate_up is not None and is_column_major(layer.mlp.gate_up.weight)
+                    and is_column_major(layer.mlp.down_proj.weight))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(engine_module, "KVCache", recording)
+    Engine(model, EngineConfig(kv_cache_tokens=256, max_num_seqs=2, column_major_weights=True))
+    assert seen == [True]

@@ -131,6 +131,11 @@ class Engine:
         self.vocab_size = mc.vocab_size
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
         self.piecewise_graphs = self._use_piecewise(model)
+        if self._column_major_weights():
+            # fused first (a fusion concatenates its layers row-major), and before the KV cache takes the free
+            # memory and any graph is captured: each weight's moved copy is transient, and graphs keep addresses
+            model.fuse_projections()
+            lay_out_weights(model, column_major=True)
         step_bytes = 0
         if config.kv_cache_tokens is None and self.device.type == "cuda":  # warm up: measure the largest step
             from specdec.engine.memory import profile_step_bytes
@@ -154,8 +159,6 @@ class Engine:
         set_attention_backend(self.attention_backend)  # before any graph is captured: graphs keep their choice
         self.runner = ModelRunner(model, self.kv_cache, self.device, self._static_runner(), self._piecewise_runner(),
                                   self.states)
-        if self._column_major_weights():  # before any graph is captured (graphs keep the weights' addresses)
-            lay_out_weights(model, column_major=True)
         self.fixed_acceptance = self._on_unless_set_off(config.fixed_acceptance)
         self.overlap_steps = self._use_overlap()
         self.in_flight: InFlight | None = None  # the step left in flight (engine/overlap.py), or None
