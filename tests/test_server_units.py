@@ -29,12 +29,14 @@ def test_head_counters_appear_only_with_a_head():
     plain = render({"draft_tokens": 5})
     assert "specdec_head_" not in plain and "draft_forwards" not in plain
     head = render({"draft_forwards": 12, "head_eager_forwards": 1, "head_observed_ahead": 7, "head_chains_ahead": 5,
-                   "head_chains_ahead_dropped": 2, "head_observes_without_logits": 3})
+                   "head_chains_ahead_dropped": 2, "head_observes_without_logits": 3, "head_positions_kept": 40,
+                   "head_wakes": 4})
     assert "specdec_spec_draft_forwards_total 12.0" in head
     assert "specdec_head_observed_ahead_total 7.0" in head
     assert "specdec_head_chains_ahead_total 5.0" in head
     assert "specdec_head_chains_ahead_dropped_total 2.0" in head
     assert "specdec_head_observes_without_logits_total 3.0" in head
+    assert "specdec_head_positions_kept_total 40.0" in head and "specdec_head_wakes_total 4.0" in head
 
 
 def test_a_twin_is_served_under_a_name_that_says_so():

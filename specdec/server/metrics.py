@@ -53,6 +53,9 @@ HEAD_COUNTERS = {
     "head_chains_ahead_dropped": ("head_chains_ahead_dropped", "Chains queued ahead that the next step did not use"),
     "head_observes_without_logits": ("head_observes_without_logits", "Head observes of a step without drafts that "
                                                                      "skipped the head's logits"),
+    "head_positions_kept": ("head_positions_kept", "Positions of steps without drafts kept by a sleeping head "
+                                                   "instead of observed"),
+    "head_wakes": ("head_wakes", "Forwards that fed a sleeping head's kept positions before a chain"),
 }
 
 
