@@ -1,5 +1,6 @@
 """A head's eager forwards with everything but attention replayed as CUDA graphs per token bucket, as
-engine/piecewise.py does for the target's eager steps (opt-in: SpecConfig / Eagle3Speculator's piecewise).
+engine/piecewise.py does for the target's eager steps (opt-in, Eagle3Speculator.enable_piecewise: not yet
+measured on a GPU; bench/spec_steps.py --head-piecewise).
 
 The head's padded graphs (head_graphs.py) hold decode-like forwards of up to 33 positions a sequence; the rest
 run eagerly: an observe of a prefill, a sleeping head's wake past the captured shapes, batches past the graphs'.
