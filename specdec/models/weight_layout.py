@@ -2,10 +2,9 @@
 
 A Linear layer computes x @ W^T with W [out, in].  Stored row-major (PyTorch's default) cuBLAS runs it as a
 "TN" GEMM; stored column-major (the same [out, in] tensor, its memory [in, out]) as an "NN" GEMM, for which it
-picks other kernels.  On the H100 at the Qwen3-8B shape the column-major layout took a batch-1 step from 6.53 to
-6.35 ms and a batch-8 one from 6.63 to 6.38 ms (docs/BENCHMARKS.md): at decode's few rows its NN kernels
-stream the weights faster (5.17 against 5.36 ms of GEMMs a step).  The values, shapes and every module's code
-stay the same; only strides change.
+picks other kernels, which at decode's few rows stream the weights faster (docs/BENCHMARKS.md: the
+`row-major-weights` variant of bench/decode.py).  The values, shapes and every module's code stay the same;
+only strides change.
 
 Fused projections (models/fused_linear.py: q/k/v, gate/up, a hybrid's in_proj) move as one tensor, their layers
 re-pointed at its slices.  A Linear whose weight an Embedding shares (tied input/output embeddings) is left

@@ -4,8 +4,8 @@ measured on a GPU; bench/spec_steps.py --head-piecewise).
 
 The head's padded graphs (head_graphs.py) hold decode-like forwards of up to 33 positions a sequence; the rest
 run eagerly: an observe of a prefill, a sleeping head's wake past the captured shapes, batches past the graphs'.
-Eagerly, a one-layer head forward is ~400 PyTorch calls dispatched from Python (on the H100 a forward of 16 x 32
-positions took 12.8 ms, docs/BENCHMARKS.md), the same count at 16 positions as at 2,048.  Only attention
+Eagerly, a one-layer head forward is ~400 PyTorch calls dispatched from Python, the same count at 16 positions
+as at 2,048 (docs/BENCHMARKS.md has what one cost on a GPU).  Only attention
 depends on the forward's layout, so the head runs as two pieces around it:
 
     stage ids, positions [T] and the projected features [T, H] (rows T..bucket zeroed)

@@ -4,8 +4,7 @@ the widest observe its graphs hold, so that the forward replays one).
 
 Where speculation does not pay (k = 0: a busy engine, a head that is rarely accepted), observing every step
 costs a head forward each: fc over the target's features and one decoder layer, its weights read from memory
-for one position a sequence (on the H100, 0.43 ms of a 6.9 ms step of the 8B twin at 16 lanes,
-docs/BENCHMARKS.md).  Asleep, a step without drafts only copies its feature rows, [B, F], aside.  The head's
+for one position a sequence (docs/BENCHMARKS.md measures it against a plain step).  Asleep, a step without drafts only copies its feature rows, [B, F], aside.  The head's
 KV cache then holds positions < state.computed and the request's kept rows cover computed .. computed +
 len(pending) - 1, in order; the next forward over them (wake) writes their keys and leaves the head exactly
 as observing each step would have (the same positions, tokens and features, batched).
@@ -46,7 +45,7 @@ class HeadSleep:
     def _init_sleep(self) -> None:
         # positions a request may keep before they are fed anyway; 0: observe every step; None: the widest
         # observe the head's graphs captured (8 for k <= 7), so that every wake and catch-up replays a graph
-        # (an eager forward of 16 x 32 positions took 12.8 ms on the H100, a third of what sleeping saved)
+        # (an eager head forward costs more than the observes it replaces: docs/BENCHMARKS.md)
         self.defer_limit: int | None = None
 
     @property
