@@ -55,6 +55,10 @@ def _worker(rank: int, port: int, paths: dict, out_dir: str) -> None:
     results = {name: run_all(path) for name, path in paths.items()}
     results["k"] = RankZeroController(_RankDependentController(rank)).choose(["r0"], 0)
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    # both ranks done before either tears the group down: a rank that exits while the other still talks to it
+    # aborted once ("terminate called without an active exception") in a loaded CI trial
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
 
 
 class _RankDependentController:
