@@ -53,6 +53,16 @@ class BucketPieces:
     def bucket(self, tokens: int) -> int:
         return next(b for b in self.buckets if b >= tokens)
 
+    def _stage_rows(self, *inputs: tuple[torch.Tensor, torch.Tensor]) -> tuple[int, int]:
+        """Copy each (static buffer, values [T, ...]) into the buffer's first T rows, rows T..bucket zeroed:
+        -> (T, the bucket)."""
+        tokens = inputs[0][1].shape[0]
+        n = self.bucket(tokens)
+        for buffer, values in inputs:
+            buffer[:tokens].copy_(values)
+            buffer[tokens:n].zero_()
+        return tokens, n
+
     def capture_all(self) -> int:
         """Capture every bucket's pieces (on a GPU; nothing to do on a CPU); returns the graphs captured."""
         if not self.capture:
@@ -126,13 +136,7 @@ class PiecewiseRunner(BucketPieces):
 
     def _stage(self, ids: torch.Tensor, positions: torch.Tensor) -> tuple[int, int]:
         """Copy ids, positions [T] into the static buffers, rows T..bucket zeroed: -> (T, the bucket)."""
-        tokens = ids.shape[0]
-        n = self.bucket(tokens)
-        self.ids[:tokens].copy_(ids)
-        self.ids[tokens:n].zero_()
-        self.positions[:tokens].copy_(positions)
-        self.positions[tokens:n].zero_()
-        return tokens, n
+        return self._stage_rows((self.ids, ids), (self.positions, positions))
 
     def _logits(self, tokens: int, logits_index: torch.Tensor | None) -> torch.Tensor:
         """After the last piece: keep the final feature, count the forward, -> logits [N, V]."""

@@ -49,11 +49,7 @@ class HeadPiecewise(BucketPieces):
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, states: torch.Tensor, batch: AttentionBatch,
                 kv_cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """As Eagle3Head.forward: ids, positions [T], states [T, H] -> the head's outputs [T, H] (a fresh tensor)."""
-        tokens = ids.shape[0]
-        n = self.bucket(tokens)
-        for buffer, values in ((self.ids, ids), (self.positions, positions), (self.states, states)):
-            buffer[:tokens].copy_(values)
-            buffer[tokens:n].zero_()
+        tokens, n = self._stage_rows((self.ids, ids), (self.positions, positions), (self.states, states))
         self._run(n, 0)
         attn = self.head.midlayer.self_attn
         self.attended[:tokens].copy_(attn.attend(self.q[:tokens], self.k[:tokens], self.v[:tokens], batch,

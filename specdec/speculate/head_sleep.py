@@ -79,7 +79,7 @@ class HeadSleep:
     def _sleep_or_wake(self, rows: list, sleep: bool, owned: bool = False) -> list:
         """rows: (request, first position, count, ids, features [count, F]) of a step's committed positions.
         Keeps the plain decode rows where `sleep` (copying their features unless `owned`) and returns the rows
-        to feed now: the others, each led by its request's kept rows, and any request's kept rows that reached
+        to feed now: the others, each led by its request's kept rows (_kept_row), and any request's kept rows that reached
         kept_limit."""
         feed, keep = [], []
         for row in rows:
@@ -90,7 +90,7 @@ class HeadSleep:
             if sleep and count == 1 and start == state.computed + len(state.pending):
                 keep.append(row)
             else:
-                feed.append(self._led_by_kept(row))
+                feed.append(self._kept_row(req, then=row) if state.pending else row)
         if keep:
             copies = torch.cat([row[4] for row in keep]) if not owned else None  # one copy for the step
             for i, row in enumerate(keep):
@@ -101,22 +101,15 @@ class HeadSleep:
                     feed.append(self._kept_row(row[0]))
         return feed
 
-    def _led_by_kept(self, row: tuple) -> tuple:
-        """row with its request's kept rows before it (the same row where it keeps none)."""
-        req, start, count, _, features = row
+    def _kept_row(self, req: Request, then: tuple | None = None) -> tuple:
+        """A row of the request's kept positions (they are then no longer kept), followed by those of `then`, a
+        row that starts where they end, if given."""
         state = self._state(req)
-        if not state.pending:
-            return row
-        first = state.computed
-        kept, state.pending = state.pending, []
-        return (req, first, start + count - first, req.token_ids_between(first + 1, start + count + 1),
-                torch.cat(kept + [features]))
-
-    def _kept_row(self, req: Request) -> tuple:
-        """A row of the request's kept positions alone (they are then no longer kept)."""
-        state = self._state(req)
-        first, kept, state.pending = state.computed, state.pending, []
-        return (req, first, len(kept), req.token_ids_between(first + 1, first + len(kept) + 1), torch.cat(kept))
+        first, features, state.pending = state.computed, state.pending, []
+        end = first + len(features)
+        if then is not None:
+            end, features = then[1] + then[2], features + [then[4]]
+        return (req, first, end - first, req.token_ids_between(first + 1, end + 1), torch.cat(features))
 
     def _wake(self, requests: list[Request]) -> None:
         """Feed the kept rows of these requests (about to draft) in one forward, with logits for their chains."""
