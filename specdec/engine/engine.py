@@ -329,10 +329,9 @@ class Engine:
             return finished
         starts = [s.request.num_computed for s in seqs]
         logits = self.runner.forward(seqs)  # per seq [1 + drafts, V] or empty
-        plain = self._may_fly(seqs)
-        if plain is not None:
+        if self._may_fly(seqs):
             flight = InFlight(seqs, starts, logits, self.runner.static.launch_accept(seqs), started, overlapped=False,
-                              plain=plain or None)
+                              plain=self._plain_step())
             if self._observe_in_flight(flight):
                 self.in_flight = flight
                 return finished
@@ -383,13 +382,16 @@ class Engine:
 
     # ------------------------------------------------------------------ overlapped steps (engine/overlap.py)
 
-    def _may_fly(self, seqs: list[ScheduledSeq]):
+    def _may_fly(self, seqs: list[ScheduledSeq]) -> bool:
         """Whether this step may be left in flight: overlapped steps on, the fixed-shape runner, a plain decode
-        and, with a speculator, the controller's k = 0.  Returns None where it may not, else what the
-        speculation prices it by once committed (Speculation.plain_step), False without a speculator."""
-        if not (self.overlap_steps and self.runner.static_step and plain_decode(seqs)):
-            return None
-        return self.speculation.plain_step() if self.speculation is not None else False
+        and, with a speculator, the controller's k = 0."""
+        return bool(self.overlap_steps and self.runner.static_step and plain_decode(seqs)
+                    and (self.speculation is None or self.speculation.plain_step() is not None))
+
+    def _plain_step(self):
+        """How the speculation prices a step left in flight once committed (Speculation.plain_step); None
+        without a speculator."""
+        return self.speculation.plain_step() if self.speculation is not None else None
 
     def _observe_in_flight(self, flight: InFlight) -> bool:
         """Queue the speculator's observe of a step about to be left in flight (Speculation.observe_in_flight);
@@ -426,7 +428,7 @@ class Engine:
         try:
             logits = self.runner.forward(seqs, fed_ids=fed_ids)  # per seq [1, V]
             behind = InFlight(seqs, starts, logits, self.runner.static.launch_accept(seqs), started, overlapped=True,
-                              plain=self.speculation.plain_step() if self.speculation is not None else None)
+                              plain=self._plain_step())
         except BaseException:
             for seq in seqs:
                 release_pending(seq.request)
