@@ -9,8 +9,8 @@ seeded; --temperature 0: greedy), per k the steps taken, their mean time and the
 Config plain-overlap: plain decoding with overlapped steps (engine/overlap.py); its steps are Engine.step() calls,
 one more per reply than it has steps (the first launches, the last commits), timed without a device sync.  They
 are the default with CUDA graphs, so on a GPU `plain` is overlapped too; plain-no-overlap is plain without them.
-Configs eagle3-k0, mtp-k0, draft-k0: the speculator with its controller held at k = 0 (it observes every step and
-drafts nothing): what speculation costs where it does not pay, against plain and plain-no-overlap.
+Configs eagle3-k0, mtp-k0, draft-k0: the speculator with its controller held at k = 0 (it drafts nothing; a head
+sleeps, speculate/head_sleep.py): what speculation costs where it does not pay, against plain and plain-no-overlap.
 slow_steps: the up to 8 slowest steps past 4x the run's median step, each with what it was (its StepRecord: k,
 sequences, fed, drafts, eager) and what first-use work ran in it (torch.compile graphs, Triton compiles of the
 specdec.kernels, CUDA graphs captured), printed a line each; first_use_ms: their time beyond the median.
