@@ -12,6 +12,8 @@ temperature 1 (drafts at the request's own settings, exact rejection sampling). 
 GPU run:      python3 bench/head_acceptance.py --head ref-head --out bench/results/head-acceptance-h200.json
 CPU dry run:  python3 bench/head_acceptance.py --device cpu --prompts 4 --max-tokens 16 --out /tmp/acc.json
 MTP head:     python3 bench/head_acceptance.py --target ref-hybrid --speculators "" --mtp-ks 1,2,3,4
+8B twins:     python3 bench/head_acceptance.py --twin qwen3-8b --speculators eagle3 --temperatures 1 (the same
+              functions at the twin's shapes in bf16: does the twin's rounding cost acceptance?)
 """
 
 from __future__ import annotations
@@ -32,18 +34,24 @@ from specdec.speculate import SpecConfig  # noqa: E402
 
 ALL = ("eagle3", "draft", "ngram")
 
+DRAFTER_TWIN = {"qwen3-8b": "qwen3-0.6b"}  # the drafter's twin beside its target's (docs/TWINS.md)
+
+
 def speculators(head: str, drafter: str, k: int, tree_widths: list[int] = (), names: list[str] = ALL,
-                mtp_ks: list[int] = ()) -> dict[str, SpecConfig]:
-    """The configs measured, by name; mtp-kK: a Qwen3.5 target's own MTP head drafting K tokens."""
-    configs = {"eagle3": SpecConfig("eagle3", model=head, num_draft_tokens=k, adaptive=False),
-               "draft": SpecConfig("draft", model=drafter, num_draft_tokens=k, adaptive=False),
+                mtp_ks: list[int] = (), twin: str | None = None) -> dict[str, SpecConfig]:
+    """The configs measured, by name; mtp-kK: a Qwen3.5 target's own MTP head drafting K tokens.  With a
+    target twin the head is padded to the same shape (its target's) and the drafter to its own twin."""
+    head = dict(model=head, draft_twin=twin)
+    configs = {"eagle3": SpecConfig("eagle3", num_draft_tokens=k, adaptive=False, **head),
+               "draft": SpecConfig("draft", model=drafter, num_draft_tokens=k, adaptive=False,
+                                   draft_twin=DRAFTER_TWIN.get(twin) if twin else None),
                "ngram": SpecConfig("ngram", num_draft_tokens=k, adaptive=False)}
     configs = {name: config for name, config in configs.items() if name in names}
     for mtp_k in mtp_ks:
         configs[f"mtp-k{mtp_k}"] = SpecConfig("mtp", num_draft_tokens=mtp_k, adaptive=False)
     for width in tree_widths:  # the head drafting trees of k depths, `width` candidates a depth
-        configs[f"eagle3-tree{width}"] = SpecConfig("eagle3", model=head, num_draft_tokens=k, adaptive=False,
-                                                    tree_width=width)
+        configs[f"eagle3-tree{width}"] = SpecConfig("eagle3", num_draft_tokens=k, adaptive=False,
+                                                    tree_width=width, **head)
     return configs
 
 
@@ -62,10 +70,10 @@ def per_position(before: dict, after: dict, k: int) -> dict:
             "acceptance": round(sum(accepted) / max(1, steps * k), 4)}
 
 
-def measure(model: str, config: SpecConfig | None, prompts: list[str], params: SamplingParams, device: str
-            ) -> tuple[dict, list[list[int]]]:
+def measure(model: str, config: SpecConfig | None, prompts: list[str], params: SamplingParams, device: str,
+            twin: str | None = None) -> tuple[dict, list[list[int]]]:
     # counts only, so no CUDA graphs to capture; a fixed KV size, as the engines run one after another
-    llm = LLM(model, device=device, speculator=config, kv_cache_tokens=65536, cuda_graphs=False)
+    llm = LLM(model, device=device, speculator=config, kv_cache_tokens=65536, cuda_graphs=False, twin=twin)
     before = dict(llm.engine.metrics())
     outs = llm.generate(prompts, params)
     row = per_position(before, llm.engine.metrics(), config.num_draft_tokens) if config is not None else {}
@@ -74,14 +82,15 @@ def measure(model: str, config: SpecConfig | None, prompts: list[str], params: S
     return row, [o.token_ids for o in outs]
 
 
-def target_uncertainty(model: str, prompts: list[str], params: SamplingParams, device: str) -> dict:
+def target_uncertainty(model: str, prompts: list[str], params: SamplingParams, device: str,
+                       twin: str | None = None) -> dict:
     """How predictable the target is on its own replies at these settings: the mean entropy (nats) of the
     distribution it samples each reply token from, and the mean probability of its most likely token (what a
     drafter proposing exactly the target's argmax would be accepted at; a drafter sampling exactly the
     target's distribution would be accepted always)."""
     from specdec.sampling import processed_probs
 
-    llm = LLM(model, device=device, kv_cache_tokens=65536, cuda_graphs=False)
+    llm = LLM(model, device=device, kv_cache_tokens=65536, cuda_graphs=False, twin=twin)
     entropy, top, count = 0.0, 0.0, 0
     for prompt, out in zip(prompts, llm.generate(prompts, params)):
         ids = llm.encode(prompt)
@@ -107,23 +116,26 @@ def main(argv=None) -> int:
     parser.add_argument("--tree-widths", default="", help="also the head drafting trees of these widths (e.g. 2,3)")
     parser.add_argument("--speculators", default=",".join(ALL), help="which of eagle3, draft, ngram ('' for none)")
     parser.add_argument("--mtp-ks", default="", help="also the target's own MTP head at these k (e.g. 1,2,3,4)")
+    parser.add_argument("--twin", default=None, help="the target (and its head) as this twin shape, e.g. qwen3-8b")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--out", default="bench/results/head-acceptance-h200.json")
     args = parser.parse_args(argv)
     prompts = load_prompts(args.prompts)
     record = {"environment": environment(torch.device(args.device)), "target": args.target, "head": args.head, "drafter": args.drafter,
-              "k": args.k, "prompts": len(prompts), "max_tokens": args.max_tokens, "rows": {}}
+              "twin": args.twin, "k": args.k, "prompts": len(prompts), "max_tokens": args.max_tokens, "rows": {}}
     for temperature in (float(t) for t in args.temperatures.split(",")):
         params = SamplingParams(max_tokens=args.max_tokens, temperature=temperature, ignore_eos=True, seed=0)
-        plain = measure(args.target, None, prompts, params, args.device)[1] if temperature == 0 else None
+        plain = measure(args.target, None, prompts, params, args.device, args.twin)[1] if temperature == 0 else None
         if temperature > 0:
-            record["rows"][f"target-t{temperature:g}"] = target_uncertainty(args.target, prompts, params, args.device)
+            record["rows"][f"target-t{temperature:g}"] = target_uncertainty(args.target, prompts, params, args.device,
+                                                                                  args.twin)
             print(f"target  T={temperature:g}  {record['rows'][f'target-t{temperature:g}']}", flush=True)
         widths = [int(w) for w in args.tree_widths.split(",") if w]
         names = [n for n in args.speculators.split(",") if n]
         mtp_ks = [int(k) for k in args.mtp_ks.split(",") if k]
-        for name, config in speculators(args.head, args.drafter, args.k, widths, names, mtp_ks).items():
-            row, outputs = measure(args.target, config, prompts, params, args.device)
+        for name, config in speculators(args.head, args.drafter, args.k, widths, names, mtp_ks,
+                                                args.twin).items():
+            row, outputs = measure(args.target, config, prompts, params, args.device, args.twin)
             if plain is not None:
                 row["greedy_equal_to_plain"] = sum(o == p for o, p in zip(outputs, plain)) / len(plain)
             record["rows"][f"{name}-t{temperature:g}"] = row
