@@ -31,6 +31,7 @@ from specdec.models.eagle3 import feature_layers, load_eagle3_head  # noqa: E402
 from specdec.models.loader import load_model  # noqa: E402
 from specdec.train.head import TargetSignals  # noqa: E402
 from specdec.train.head_loss import unrolled_logits  # noqa: E402
+from specdec.train.head_unroll import Eagle3Unroll  # noqa: E402
 
 HELDOUT = REPO / "bench" / "results" / "ref-target-heldout.jsonl"
 
@@ -56,7 +57,7 @@ def overlap(head_dir: Path, target_dir: Path, convs: list[dict], taus: list[floa
     for conv in convs:
         seq = list(conv["prompt"]) + list(conv["continuation"])
         embed, features, target_logprobs = signals(torch.tensor([seq]), head.target_ids())
-        logits = unrolled_logits(head, embed, features, steps)  # per step [1, T, V_draft]
+        logits = unrolled_logits(Eagle3Unroll(head), embed, features, steps)  # per step [1, T, V_draft]
         p = target_logprobs.exp()[0]  # [T, V_draft]: the target's distribution of the token each row drafts
         first, end = len(conv["prompt"]) - 2, len(seq) - 2  # roots predicting continuation tokens
         for s in range(steps):

@@ -134,3 +134,37 @@ def test_a_rerun_resumes_from_the_checkpoint(tiny, tmp_path):
     events = [json.loads(line) for line in (run_dir / "train_log.jsonl").read_text().splitlines()[earlier:]]
     assert any(e["event"] == "resume" and e["step"] == 300 for e in events)
     assert not any(e["event"] == "continuations-shard" for e in events)  # continuations came from the cache
+
+
+@pytest.mark.parametrize("start", ["target", "random"])
+def test_a_head_starts_from_the_targets_output_side_or_at_random(tiny, start):
+    import dataclasses
+
+    run = dataclasses.replace(tiny["run"], start=start)
+    sequences = [np.array([5, 17, 30, 2, 9, 5, 17]), np.array([40, 41, 42, 40])]
+    model = pipeline.eagle3_model(run, sequences, torch.device("cpu"))
+    target = load_model(tiny["target"], "cpu", torch.float32)
+    vocab = (torch.arange(model.vocab) + model.module.d2t).long()  # the draft ids' target ids
+    same_lm_head = torch.equal(model.module.lm_head.weight, target.lm_head.weight[vocab])
+    same_norm = torch.equal(model.module.norm.weight, target.model.norm.weight)
+    assert model.start == start and same_lm_head == same_norm == (start == "target")
+    identity = dataclasses.replace(tiny["run"], start=start).identity()
+    assert identity.get("start") == ("target" if start == "target" else None)  # a resume cannot switch starts
+
+
+def test_a_head_reads_the_feature_layers_asked_for_and_refuses_ids_past_the_target(tiny):
+    import dataclasses
+
+    from specdec.errors import InvalidRequestError
+
+    sequences = [np.array([5, 17, 30, 2, 9, 5, 17])]
+    model = pipeline.eagle3_model(dataclasses.replace(tiny["run"], feature_layers=(1, 2, 4)), sequences,
+                                  torch.device("cpu"))
+    assert model.feature_layers == (1, 2, 4) and model.module.config.feature_layers == (1, 2, 4)
+    assert model.signals.layers == (1, 2, 4)
+    with pytest.raises(InvalidRequestError, match="each id must be in 0..4"):
+        pipeline.eagle3_model(dataclasses.replace(tiny["run"], feature_layers=(1, 2, 5)), sequences,
+                              torch.device("cpu"))
+    assert dataclasses.replace(tiny["run"], feature_layers=(1, 2, 4)).identity()["feature_layers"] == [1, 2, 4]
+    with pytest.raises(SystemExit):
+        pipeline.main(["--target", str(tiny["target"]), "--prompts", "x", "--out", "y", "--feature-layers", "1,2"])

@@ -37,6 +37,7 @@ from torch import nn
 from tqdm import tqdm
 
 from specdec.models.eagle3 import Eagle3Head, default_feature_layers, random_head, save_eagle3_head
+from specdec.errors import InvalidRequestError
 from specdec.models.fused import plain_kernels
 from specdec.train.checkpoint import Checkpoint, check_run_identity
 from specdec.train.data import (add_data_arguments, check_overlap, generate_continuations, load_or_make_heldout,
@@ -78,6 +79,8 @@ class HeadRun:
     formats: tuple[str, ...] = FORMATS
     drop_overlap: bool = False
     kind: str = "eagle3"  # or "mtp": the target's own MTP head (train/mtp_head.py)
+    start: str = "target"  # an EAGLE-3 head's output side: "target" (its final norm and LM head) or "random"
+    feature_layers: tuple[int, ...] | None = None  # an EAGLE-3 head's target layers; None: vLLM's and SGLang's
 
     def identity(self) -> dict[str, Any]:
         identity = {"target": str(Path(self.target).resolve()),
@@ -85,7 +88,11 @@ class HeadRun:
                     "n_prompts": self.n_prompts, "min_prompt": self.min_prompt, "max_prompt": self.max_prompt,
                     "max_new_tokens": self.max_new_tokens, "draft_vocab": self.draft_vocab, "seed": self.seed,
                     "seq_len": self.seq_len, "ttt_steps": self.ttt_steps}
-        return identity if self.kind == "eagle3" else identity | {"kind": self.kind}  # eagle3 runs: as before
+        if self.kind != "eagle3":
+            return identity | {"kind": self.kind}
+        if self.feature_layers is not None:
+            identity["feature_layers"] = list(self.feature_layers)
+        return identity if self.start == "random" else identity | {"start": self.start}  # random: as before
 
 
 # ---------------------------------------------------------------------------------------------- data
@@ -231,19 +238,35 @@ class HeadModel:
 
 
 def eagle3_model(run: HeadRun, sequences: list[np.ndarray], device: torch.device) -> HeadModel:
-    """A random EAGLE-3 head over the run's draft vocabulary (the most frequent tokens of the sequences)."""
+    """A new EAGLE-3 head over the run's draft vocabulary (the most frequent tokens of the sequences), its
+    output side started as run.start says."""
     from specdec.models.loader import load_model
 
     small = load_model(run.target, device, torch.float32)
-    layers = default_feature_layers(small.config.num_hidden_layers)
+    layers = run.feature_layers or default_feature_layers(small.config.num_hidden_layers)
+    if not all(0 <= j <= small.config.num_hidden_layers for j in layers):
+        raise InvalidRequestError(f"--feature-layers {','.join(map(str, layers))}: the target has "
+                                  f"{small.config.num_hidden_layers} layers, so each id must be in 0.."
+                                  f"{small.config.num_hidden_layers} (j: the residual stream entering layer j)")
     vocab = draft_vocabulary(sequences, small.config.vocab_size, run.draft_vocab)
     head = random_head(small, seed=run.seed, draft_vocab=len(vocab), feature_layers=layers)
     head = head.float().requires_grad_(True)
     head.embed_tokens = None  # the target's embedding comes with each batch; the export shares the target's
     set_vocabulary(head, vocab)
+    if run.start == "target":
+        start_from_target_output(head, small, vocab)
     del small
     return HeadModel(head, Eagle3Unroll(head), TargetSignals(run.target, device, layers), layers, len(vocab),
-                     "random", lambda out_dir, fmt: export_head(head, out_dir, fmt))
+                     run.start, lambda out_dir, fmt: export_head(head, out_dir, fmt))
+
+
+def start_from_target_output(head: Eagle3Head, target: nn.Module, vocab: torch.Tensor) -> None:
+    """The head's final norm and LM head start as the target's (its LM head's rows of the draft vocabulary
+    `vocab` [V_draft], target ids): the head then begins where the target's own output space is, and its
+    layer learns to reach the target's last hidden state instead of a new space and a new read-out at once."""
+    with torch.no_grad():
+        head.norm.weight.copy_(target.model.norm.weight)
+        head.lm_head.weight.copy_(target.lm_head.weight[vocab.to(target.lm_head.weight.device)])
 
 
 def mtp_model(run: HeadRun, device: torch.device) -> HeadModel:
@@ -379,8 +402,10 @@ def head_description(run: HeadRun, summary: dict) -> str:
         return (f"The target's MTP head (mtp.* only; embedding and LM head the target's, frozen), started from "
                 f"{start}, feature layer {summary['feature_layers']} (the final-normed hidden state), the target's "
                 f"whole vocabulary ({summary['draft_vocab']} tokens)")
+    start = ("the target's final norm and LM head rows, the rest random" if summary["start"] == "target"
+             else "random weights")
     return (f"Feature layers {summary['feature_layers']}, draft vocabulary {summary['draft_vocab']} tokens (the most "
-            "frequent of the training sequences)")
+            f"frequent of the training sequences), started from {start}")
 
 
 def check_kind(run: HeadRun) -> None:
@@ -411,6 +436,18 @@ def run_pipeline(run: HeadRun, progress: bool = True) -> dict:
     return result
 
 
+def layer_ids(text: str) -> tuple[int, ...]:
+    """'2,4,7' -> (2, 4, 7): an EAGLE-3 head's three target layers (low, middle, high), for argparse."""
+    try:
+        ids = tuple(int(part) for part in text.split(","))
+    except ValueError:
+        ids = ()
+    if len(ids) != 3:
+        raise argparse.ArgumentTypeError(f"{text!r}: give three comma-separated layer ids (low, middle, high), "
+                                         "e.g. 2,4,7")
+    return ids
+
+
 def main(argv: list[str] | None = None) -> int:
     from specdec.train.cli import model_dir_arg
 
@@ -435,6 +472,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="exports (default: bf16 fp8 for eagle3, bf16 for mtp, its only one)")
     parser.add_argument("--drop-overlap", action="store_true",
                         help="leave out training prompts that overlap the held-out set (default: refuse to run)")
+    parser.add_argument("--start", choices=("target", "random"), default="target",
+                        help="an EAGLE-3 head's final norm and LM head: the target's (default) or random")
+    parser.add_argument("--feature-layers", type=layer_ids, default=None,
+                        help="an EAGLE-3 head's target layers, e.g. 2,4,7 (default: 2, L/2, L-3 as vLLM and "
+                             "SGLang; j is the residual stream entering layer j)")
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
     if args.ttt_steps < 1 or args.max_steps < 1:
@@ -450,7 +492,8 @@ def main(argv: list[str] | None = None) -> int:
                   draft_vocab=args.draft_vocab, ttt_steps=args.ttt_steps, seq_len=args.seq_len,
                   batch_size=args.batch_size, lr=args.lr, max_steps=args.max_steps, max_minutes=args.max_minutes,
                   checkpoint_every=args.checkpoint_every, seed=args.seed, device=args.device,
-                  formats=tuple(formats), drop_overlap=args.drop_overlap, kind=args.kind)
+                  formats=tuple(formats), drop_overlap=args.drop_overlap, kind=args.kind,
+                  start=args.start, feature_layers=args.feature_layers)
     result = run_pipeline(run, progress=not args.no_progress)
     print(json.dumps({k: result[k] for k in ("acceptance_before", "acceptance_after", "steps", "tokens", "seconds")}))
     return 0
