@@ -51,6 +51,7 @@ def main(argv=None) -> int:
     parser.add_argument("--n-prompts", type=int, default=5000)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--minutes", type=float, default=3.0, help="training time of each arm")
+    parser.add_argument("--lr", type=float, default=2e-3, help="every arm's peak learning rate (ref-head's)")
     parser.add_argument("--prompts", type=int, default=64, help="held-out prompts the engine walks per arm")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--temperatures", default="1,0")
@@ -62,13 +63,13 @@ def main(argv=None) -> int:
     out = Path(args.out)
     target = str(resolve_model(args.target))
     base = HeadRun(target, [args.corpus], str(out / "data"), heldout=str(REPO / "bench/results/ref-target-heldout.jsonl"),
-                   n_prompts=args.n_prompts, max_new_tokens=args.max_new_tokens, gen_batch_size=1024,
+                   n_prompts=args.n_prompts, max_new_tokens=args.max_new_tokens, gen_batch_size=1024, lr=args.lr,
                    max_steps=10**6, max_minutes=args.minutes, checkpoint_every=10**6, formats=("bf16",),
                    drop_overlap=True, device=args.device)
     (out / "data").mkdir(parents=True, exist_ok=True)
     records, heldout, _, _ = make_records(base, TrainLog(out / "data" / "log.jsonl", name="data"))
     record = {"environment": environment(torch.device(args.device)), "target": args.target,
-              "records": len(records), "minutes_per_arm": args.minutes, "k": args.k, "prompts": args.prompts,
+              "records": len(records), "minutes_per_arm": args.minutes, "lr": args.lr, "k": args.k, "prompts": args.prompts,
               "max_tokens": args.max_tokens, "arms": {}}
     for name, fields in args.arms:
         run = dataclasses.replace(base, out=str(out / name), **fields)

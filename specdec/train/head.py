@@ -79,7 +79,7 @@ class HeadRun:
     formats: tuple[str, ...] = FORMATS
     drop_overlap: bool = False
     kind: str = "eagle3"  # or "mtp": the target's own MTP head (train/mtp_head.py)
-    start: str = "target"  # an EAGLE-3 head's output side: "target" (its final norm and LM head) or "random"
+    start: str = "random"  # an EAGLE-3 head's output side: "random", or "target" (its final norm and LM head)
     feature_layers: tuple[int, ...] | None = None  # an EAGLE-3 head's target layers; None: vLLM's and SGLang's
 
     def identity(self) -> dict[str, Any]:
@@ -472,8 +472,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="exports (default: bf16 fp8 for eagle3, bf16 for mtp, its only one)")
     parser.add_argument("--drop-overlap", action="store_true",
                         help="leave out training prompts that overlap the held-out set (default: refuse to run)")
-    parser.add_argument("--start", choices=("target", "random"), default="target",
-                        help="an EAGLE-3 head's final norm and LM head: the target's (default) or random")
+    parser.add_argument("--start", choices=("random", "target"), default="random",
+                        help="an EAGLE-3 head's final norm and LM head: random (default) or the target's")
     parser.add_argument("--feature-layers", type=layer_ids, default=None,
                         help="an EAGLE-3 head's target layers, e.g. 2,4,7 (default: 2, L/2, L-3 as vLLM and "
                              "SGLang; j is the residual stream entering layer j)")

@@ -1,0 +1,96 @@
+#!/usr/bin/env python3
+"""Where an EAGLE-3 head's training step goes: the target's signals, the unrolled loss, its backward and the
+optimizer, timed apart over random token rows of the training shape, then one step under the profiler (issue 20).
+
+GPU:  python3 bench/head_train_step.py --out $OUT/head-train-step-h100.json
+CPU dry run:  python3 bench/head_train_step.py --device cpu --batch 2 --seq-len 64 --steps 2 --out /tmp/hts.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from bench.common import environment, write_json  # noqa: E402
+from specdec.assets import resolve_model  # noqa: E402
+from specdec.models.fused import plain_kernels  # noqa: E402
+from specdec.train.head import HeadRun, SequenceBatcher, eagle3_model  # noqa: E402
+from specdec.train.head_loss import head_loss  # noqa: E402
+from specdec.train.lm import autocast, make_optimizer  # noqa: E402
+
+PARTS = ("signals", "loss", "backward", "optimizer")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--target", default="ref-target")
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--seq-len", type=int, default=512)
+    parser.add_argument("--ttt-steps", type=int, default=7)
+    parser.add_argument("--steps", type=int, default=10, help="timed steps (after 3 warm-up steps)")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    run = HeadRun(str(resolve_model(args.target)), [], "/tmp/head-train-step", batch_size=args.batch,
+                  seq_len=args.seq_len)
+    rng = np.random.default_rng(0)
+    model = eagle3_model(run, [rng.integers(0, 8192, args.seq_len) for _ in range(256)], device)
+    head, unroll, signals = model.module, model.unroll, model.signals
+    optimizer = make_optimizer(head, 1e-3, 0.0, 0.95, device)
+    batcher = SequenceBatcher([rng.integers(0, 8192, args.seq_len) for _ in range(256)], args.seq_len, args.batch, 0)
+    draft_ids = unroll.target_ids()
+
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
+    def step() -> list[float]:
+        """Seconds of each part of one training step (the device synchronised between parts)."""
+        ids, lengths = batcher.next(device)
+        marks = [time.perf_counter()]
+        embed, features, target = signals(ids, draft_ids)
+        sync(); marks.append(time.perf_counter())
+        with autocast(device):
+            loss, _ = head_loss(unroll, embed, features, target, lengths, args.ttt_steps, 0.8)
+        sync(); marks.append(time.perf_counter())
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        sync(); marks.append(time.perf_counter())
+        torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
+        optimizer.step()
+        sync(); marks.append(time.perf_counter())
+        return [b - a for a, b in zip(marks, marks[1:])]
+
+    with plain_kernels():
+        for _ in range(3):
+            step()
+        times = np.array([step() for _ in range(args.steps)]) * 1000  # [steps, parts] ms
+        from torch.profiler import ProfilerActivity, profile
+
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+        with profile(activities=activities) as prof:
+            step()
+    sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    table = prof.key_averages().table(sort_by=sort, row_limit=25, max_name_column_width=70)
+    tokens = args.batch * args.seq_len
+    parts = {name: round(float(times[:, i].mean()), 2) for i, name in enumerate(PARTS)}
+    record = {"environment": environment(device), "batch": args.batch, "seq_len": args.seq_len,
+              "ttt_steps": args.ttt_steps, "step_ms": round(float(times.sum(1).mean()), 2), "parts_ms": parts,
+              "tokens_per_s": round(tokens / (times.sum(1).mean() / 1000)), "profile": table}
+    print(table)
+    print({k: v for k, v in record.items() if k != "profile"}, flush=True)
+    write_json(args.out, record)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
