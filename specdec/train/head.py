@@ -151,14 +151,24 @@ class SequenceBatcher:
         self.seq_len, self.batch_size = seq_len, batch_size
         self.rng = np.random.default_rng(seed)
 
-    def next(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    def next(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """(ids [B, width], lengths [B], real tokens in all): the tensors are copied to the device from pinned
+        memory without waiting for the device (a plain copy would wait for every step queued before it)."""
         picked = self.rng.integers(0, len(self.sequences), self.batch_size)
         rows = [self.sequences[i] for i in picked]
         width = max(len(r) for r in rows)
         ids = np.zeros((len(rows), width), dtype=np.int64)
         for i, r in enumerate(rows):
             ids[i, :len(r)] = r
-        return torch.from_numpy(ids).to(device), torch.tensor([len(r) for r in rows], device=device)
+        lengths = np.array([len(r) for r in rows], dtype=np.int64)
+        return _to_device(ids, device), _to_device(lengths, device), int(lengths.sum())
+
+
+def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    tensor = torch.from_numpy(array)
+    if device.type != "cuda":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)  # a fresh pinned buffer each call: no reuse race
 
 
 # ---------------------------------------------------------------------------------------------- the target side
@@ -318,7 +328,7 @@ def train(run: HeadRun, records: list[dict], heldout: list[dict], log: TrainLog,
             lr = run.lr * lr_factor(step, progress_done, min(run.warmup_steps, run.max_steps // 10 or 1), 0.1)
             for group in opt.param_groups:
                 group["lr"] = lr
-            ids, lengths = batcher.next(device)
+            ids, lengths, batch_tokens = batcher.next(device)
             embed, features, target = signals(ids, draft_ids)
             with autocast(device):
                 loss, accuracy = head_loss(unroll, embed, features, target, lengths, run.ttt_steps, run.decay)
@@ -326,11 +336,11 @@ def train(run: HeadRun, records: list[dict], heldout: list[dict], log: TrainLog,
             loss.backward()
             torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
             opt.step()
-            step, tokens = step + 1, tokens + int(lengths.sum())
+            step, tokens = step + 1, tokens + batch_tokens
             bar.update(1)
             if step % 50 == 0 or step == run.max_steps:
                 log("train", step=step, tokens=tokens, lr=float(f"{lr:.4g}"), loss=round(loss.item(), 4),
-                    accuracy=[round(a, 3) for a in accuracy])
+                    accuracy=[round(a, 3) for a in accuracy.tolist()])
             if step % run.checkpoint_every == 0:
                 save()
     bar.close()

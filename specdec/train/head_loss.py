@@ -103,8 +103,9 @@ def _chain_attention(q, keys, values, causal, s: int, scale: float) -> torch.Ten
 
 
 def head_loss(head: UnrolledHead, embed: torch.Tensor, features: torch.Tensor, target_logprobs: torch.Tensor,
-              lengths: torch.Tensor, steps: int, decay: float = 0.8) -> tuple[torch.Tensor, list[float]]:
-    """(the weighted loss, per-step accuracy of the argmax against the target's).
+              lengths: torch.Tensor, steps: int, decay: float = 0.8) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the weighted loss, [steps] per-step accuracy of the argmax against the target's), both on the device:
+    reading either is a host sync, which the training loop makes only when it logs.
 
     target_logprobs [B, T, V_draft]: the target's log-distribution at row p + 1 over the draft vocabulary,
     placed at row p (what position p's head output must predict); lengths [B]: real tokens per row.
@@ -121,5 +122,5 @@ def head_loss(head: UnrolledHead, embed: torch.Tensor, features: torch.Tensor, t
         total = total + decay**s * (ce * mask).sum() / mask.sum().clamp(min=1)
         weight_sum += decay**s
         hit = (step_logits.argmax(-1) == target_logprobs.argmax(-1)).float()
-        accuracy.append(float((hit * mask).sum() / mask.sum().clamp(min=1)))
-    return total / weight_sum, accuracy
+        accuracy.append((hit * mask).sum() / mask.sum().clamp(min=1))
+    return total / weight_sum, torch.stack(accuracy).detach()
