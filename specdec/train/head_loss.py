@@ -114,6 +114,7 @@ def head_loss(head: UnrolledHead, embed: torch.Tensor, features: torch.Tensor, t
     positions = torch.arange(embed.shape[1], device=embed.device)
     in_row = positions[None, :] + 1 < lengths[:, None]  # [B, T]
     target_p = target_logprobs.float().exp()
+    target_argmax = target_logprobs.argmax(-1)  # [B, T]
     total, accuracy, weight_sum = 0.0, [], 0.0
     for s, step_logits in enumerate(logits):
         mask = (in_row & (positions[None, :] >= s)).float()  # [B, T]
@@ -121,6 +122,6 @@ def head_loss(head: UnrolledHead, embed: torch.Tensor, features: torch.Tensor, t
         ce = -(target_p * logq).sum(-1)  # [B, T]
         total = total + decay**s * (ce * mask).sum() / mask.sum().clamp(min=1)
         weight_sum += decay**s
-        hit = (step_logits.argmax(-1) == target_logprobs.argmax(-1)).float()
+        hit = (step_logits.argmax(-1) == target_argmax).float()
         accuracy.append((hit * mask).sum() / mask.sum().clamp(min=1))
     return total / weight_sum, torch.stack(accuracy).detach()
