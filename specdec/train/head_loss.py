@@ -86,7 +86,8 @@ def _chain_attention(q, keys, values, causal, s: int, scale: float) -> torch.Ten
         return t.repeat_interleave(group, dim=2)
 
     k0, v0 = expand(keys[0]), expand(values[0])
-    scores0 = torch.einsum("bqhd,bkhd->bhqk", q, k0) * scale  # [B, Hq, T, T]
+    q = q * scale  # scaled here, on [B, T, Hq, D], not on the [B, Hq, T, T + s] scores
+    scores0 = torch.einsum("bqhd,bkhd->bhqk", q, k0)  # [B, Hq, T, T]
     visible = shift(causal[None], s)[0] if s else causal  # row p: keys <= p - s
     if s:
         visible = visible.clone()
@@ -94,8 +95,10 @@ def _chain_attention(q, keys, values, causal, s: int, scale: float) -> torch.Ten
     scores0 = scores0.masked_fill(~visible, float("-inf"))
     chain_k = [expand(shift(keys[j], s - j)) for j in range(1, s + 1)]  # row p: step j's key at p - s + j
     chain_v = [expand(shift(values[j], s - j)) for j in range(1, s + 1)]
-    diagonal = [torch.einsum("bqhd,bqhd->bhq", q, k)[..., None] * scale for k in chain_k]  # [B, Hq, T, 1]
-    weights = torch.cat([scores0, *diagonal], dim=-1).float().softmax(-1).to(q.dtype)  # [B, Hq, T, T + s]
+    # a query's dot product with its own chain key: elementwise, not a batched GEMM of B T Hq 1 x 1 products
+    diagonal = [(q * k).sum(-1).transpose(1, 2)[..., None] for k in chain_k]  # [B, Hq, T, 1]
+    scores = torch.cat([scores0, *diagonal], dim=-1)  # [B, Hq, T, T + s]
+    weights = torch.softmax(scores, -1, dtype=torch.float32).to(q.dtype)  # float inside, no float copy
     out = torch.einsum("bhqk,bkhd->bqhd", weights[..., :q.shape[1]], v0)
     for j, v in enumerate(chain_v):
         out = out + weights[..., q.shape[1] + j].transpose(1, 2)[..., None] * v
@@ -118,7 +121,7 @@ def head_loss(head: UnrolledHead, embed: torch.Tensor, features: torch.Tensor, t
     total, accuracy, weight_sum = 0.0, [], 0.0
     for s, step_logits in enumerate(logits):
         mask = (in_row & (positions[None, :] >= s)).float()  # [B, T]
-        logq = F.log_softmax(step_logits.float(), dim=-1)
+        logq = F.log_softmax(step_logits, dim=-1, dtype=torch.float32)  # float inside, no float copy of logits
         ce = -(target_p * logq).sum(-1)  # [B, T]
         total = total + decay**s * (ce * mask).sum() / mask.sum().clamp(min=1)
         weight_sum += decay**s
