@@ -105,6 +105,19 @@ def _chain_attention(q, keys, values, causal, s: int, scale: float) -> torch.Ten
     return out
 
 
+def soft_cross_entropy(logits: torch.Tensor, target_logprobs: torch.Tensor, fused: bool | None = None) -> torch.Tensor:
+    """-sum_v p_v log softmax(logits)_v per row: logits [..., V], target_logprobs [..., V] (log p) -> [...].
+    fused (default: on CUDA): one Triton launch computes it and its gradient (specdec/kernels/soft_cross_entropy.py);
+    otherwise the same sum with tensors."""
+    if logits.is_cuda if fused is None else fused:
+        from specdec.kernels.soft_cross_entropy import SoftCrossEntropy
+
+        vocab = logits.shape[-1]
+        ce = SoftCrossEntropy.apply(logits.reshape(-1, vocab), target_logprobs.reshape(-1, vocab))
+        return ce.view(logits.shape[:-1])
+    return -(target_logprobs.float().exp() * F.log_softmax(logits, dim=-1, dtype=torch.float32)).sum(-1)
+
+
 def head_loss(head: UnrolledHead, embed: torch.Tensor, features: torch.Tensor, target_logprobs: torch.Tensor,
               lengths: torch.Tensor, steps: int, decay: float = 0.8) -> tuple[torch.Tensor, torch.Tensor]:
     """(the weighted loss, [steps] per-step accuracy of the argmax against the target's), both on the device:
@@ -116,13 +129,11 @@ def head_loss(head: UnrolledHead, embed: torch.Tensor, features: torch.Tensor, t
     logits = unrolled_logits(head, embed, features, steps)
     positions = torch.arange(embed.shape[1], device=embed.device)
     in_row = positions[None, :] + 1 < lengths[:, None]  # [B, T]
-    target_p = target_logprobs.float().exp()
     target_argmax = target_logprobs.argmax(-1)  # [B, T]
     total, accuracy, weight_sum = 0.0, [], 0.0
     for s, step_logits in enumerate(logits):
         mask = (in_row & (positions[None, :] >= s)).float()  # [B, T]
-        logq = F.log_softmax(step_logits, dim=-1, dtype=torch.float32)  # float inside, no float copy of logits
-        ce = -(target_p * logq).sum(-1)  # [B, T]
+        ce = soft_cross_entropy(step_logits, target_logprobs)  # [B, T]
         total = total + decay**s * (ce * mask).sum() / mask.sum().clamp(min=1)
         weight_sum += decay**s
         hit = (step_logits.argmax(-1) == target_argmax).float()
