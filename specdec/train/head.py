@@ -36,8 +36,8 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from specdec.models.eagle3 import Eagle3Head, default_feature_layers, random_head, save_eagle3_head
 from specdec.errors import InvalidRequestError
+from specdec.models.eagle3 import Eagle3Head, default_feature_layers, random_head, save_eagle3_head
 from specdec.models.fused import plain_kernels
 from specdec.train.checkpoint import Checkpoint, check_run_identity
 from specdec.train.data import (add_data_arguments, check_overlap, generate_continuations, load_or_make_heldout,

@@ -95,8 +95,9 @@ def _chain_attention(q, keys, values, causal, s: int, scale: float) -> torch.Ten
     scores0 = scores0.masked_fill(~visible, float("-inf"))
     chain_k = [expand(shift(keys[j], s - j)) for j in range(1, s + 1)]  # row p: step j's key at p - s + j
     chain_v = [expand(shift(values[j], s - j)) for j in range(1, s + 1)]
-    # a query's dot product with its own chain key: elementwise, not a batched GEMM of B T Hq 1 x 1 products
-    diagonal = [(q * k).sum(-1).transpose(1, 2)[..., None] for k in chain_k]  # [B, Hq, T, 1]
+    # a query's dot product with its own chain key, elementwise (as a batched GEMM it was B T Hq products of
+    # 1 x D by D x 1), with float products as the GEMM's
+    diagonal = [(q.float() * k).sum(-1).to(q.dtype).transpose(1, 2)[..., None] for k in chain_k]  # [B, Hq, T, 1]
     scores = torch.cat([scores0, *diagonal], dim=-1)  # [B, Hq, T, T + s]
     weights = torch.softmax(scores, -1, dtype=torch.float32).to(q.dtype)  # float inside, no float copy
     out = torch.einsum("bhqk,bkhd->bqhd", weights[..., :q.shape[1]], v0)
