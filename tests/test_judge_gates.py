@@ -33,6 +33,34 @@ def test_gate_fails_on_a_candidate_built_to_fail_it(tmp_path, mode, fails):
 def test_greedy_agreement_floor_can_fail(tmp_path):
     record = judge_fakes(tmp_path, (), ("--mode", "short"), greedy_agreement_floor=0.99, **GATE_RUN)
     assert "greedy_agreement" in failed_checks(record) and record["greedy_agreement"] < 0.99
+    split = record["greedy_divergences"]  # the short candidate's replies end where the stock's go on
+    assert split and all(d["candidate"] is None and d["stock"] is not None for d in split)
+    assert all(d["stock_margin"] is not None and d["stock_margin"] >= 0 for d in split)
+    check = next(g for g in record["gates"] if g["key"] == "greedy_agreement")
+    assert f"{len(split)} of " in check["measured"] and "replies split" in check["measured"]
+
+
+def test_greedy_divergences_say_where_replies_split_and_how_close_the_stock_was():
+    from specdec.judge.client import Reply
+    from specdec.judge.config import Limits
+    from specdec.judge.gates import greedy_agreement, greedy_divergences
+
+    def reply(tokens, tops=None):
+        return Reply("".join(tokens), len(tokens), "length", tokens, [-0.1] * len(tokens), tops)
+
+    stock = [reply(["a", "b", "c"], [{"a": -0.1}, {"b": -0.69, "x": -0.70}, {"c": -0.2}]),
+             reply(["a", "b"], [{"a": -0.1, "q": -3.0}, {"b": -0.1, "r": -2.6}]),
+             reply(["d", "e"]),
+             reply(["f"], [{"f": -0.5, "g": -0.9}])]
+    candidate = [reply(["a", "x", "c"]), reply(["a", "b"]), reply(["d", "z"]), reply([])]
+    split = greedy_divergences(candidate, stock)
+    assert split == [{"reply": 0, "position": 1, "stock": "b", "candidate": "x", "stock_margin": 0.01},
+                     {"reply": 2, "position": 1, "stock": "e", "candidate": "z", "stock_margin": None},
+                     {"reply": 3, "position": 0, "stock": "f", "candidate": None, "stock_margin": 0.4}]
+    value, check = greedy_agreement([r.tokens for r in candidate], [r.tokens for r in stock], Limits(), split)
+    assert value == (1 / 3 + 1 + 1 / 2 + 0) / 4
+    assert check.measured == ("0.4583; 3 of 4 replies split, where the stock's top two were within 0.4 nats "
+                              "(1 without the stock's top two)")
 
 
 def test_every_gate_passes_on_the_real_speculating_engine(tmp_path):

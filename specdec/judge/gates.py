@@ -184,15 +184,48 @@ def fidelity_check(worst: float, why: str, limits: Limits, how: str) -> tuple[fl
                         PASS if ok else FAIL, why)
 
 
-def greedy_agreement(candidate: Sequence[Sequence], stock: Sequence[Sequence], limits: Limits) -> tuple[float, Check]:
+def greedy_agreement(candidate: Sequence[Sequence], stock: Sequence[Sequence], limits: Limits,
+                     divergences: list[dict] | None = None) -> tuple[float, Check]:
+    """(the mean share of each stock greedy reply the candidate's repeats from its start, the check); with the
+    replies' divergences (greedy_divergences) the measured text says where they split."""
     shares = [stats.common_prefix_share(c, s) for c, s in zip(candidate, stock)]
     value = sum(shares) / len(shares) if shares else 0.0
+    measured = f"{value:.4f}" + (f"; {divergence_summary(divergences, len(shares))}" if divergences else "")
     floor = limits.greedy_agreement_floor
     if floor is None:
-        return value, Check("greedy agreement", "greedy_agreement", f"{value:.4f}", "no floor (not a gate)", REPORTED)
+        return value, Check("greedy agreement", "greedy_agreement", measured, "no floor (not a gate)", REPORTED)
     ok = value >= floor
-    return value, Check("greedy agreement", "greedy_agreement", f"{value:.4f}", f"≥ {floor:g}", PASS if ok else FAIL,
+    return value, Check("greedy agreement", "greedy_agreement", measured, f"≥ {floor:g}", PASS if ok else FAIL,
                         "" if ok else f"greedy agreement {value:.4f} < floor {floor:g}")
+
+
+def greedy_divergences(candidate: Sequence[Reply], stock: Sequence[Reply]) -> list[dict]:
+    """Where each candidate greedy reply first leaves the stock's: {reply, position, stock, candidate: the two
+    tokens there (None past a reply's end), stock_margin: the stock's chosen token's log-prob minus its next
+    best (from its top log-probs; None where it gave fewer than two)}.  A margin near 0 is a near-tie, which a
+    different batch shape's rounding can split in low precision; a wide one is not a tie."""
+    out = []
+    for index, (cand, ref) in enumerate(zip(candidate, stock)):
+        if cand.tokens is None or ref.tokens is None or cand.tokens == ref.tokens:
+            continue
+        position = stats.common_prefix_length(cand.tokens, ref.tokens)
+        top = ref.top_logprobs[position] if ref.top_logprobs and position < len(ref.top_logprobs) else None
+        best = sorted((v for v in (top or {}).values() if v is not None), reverse=True)
+        out.append({"reply": index, "position": position,
+                    "stock": ref.tokens[position] if position < len(ref.tokens) else None,
+                    "candidate": cand.tokens[position] if position < len(cand.tokens) else None,
+                    "stock_margin": round(best[0] - best[1], 6) if len(best) >= 2 else None})
+    return out
+
+
+def divergence_summary(divergences: list[dict], replies: int) -> str:
+    """'3 of 8 replies split, where the stock's top two were within 0.031 nats' (and how many margins are unknown)."""
+    margins = [d["stock_margin"] for d in divergences if d["stock_margin"] is not None]
+    text = f"{len(divergences)} of {replies} replies split"
+    if margins:
+        text += f", where the stock's top two were within {max(margins):.3g} nats"
+    unknown = len(divergences) - len(margins)
+    return text + (f" ({unknown} without the stock's top two)" if unknown else "")
 
 
 def lengths(candidate: dict[str, list[float]], stock: dict[str, list[float]], limits: Limits) -> tuple[dict, Check]:

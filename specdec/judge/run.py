@@ -260,7 +260,8 @@ class Judge:
 
     def greedy_bodies(self, prompts: list[str]) -> list[dict]:
         c = self.config
-        return [{"prompt": p, "max_tokens": c.max_tokens, "temperature": 0.0, "logprobs": 1, "seed": c.seed + i}
+        # the top two log-probs: where a candidate's reply splits from the stock's, how close the stock's choice was
+        return [{"prompt": p, "max_tokens": c.max_tokens, "temperature": 0.0, "logprobs": 2, "seed": c.seed + i}
                 for i, p in enumerate(prompts)]
 
     def continue_fixed_texts(self, role: str) -> list[gates.ScoredReply]:
@@ -406,7 +407,10 @@ class Judge:
         checks += pair
         use_tokens = all(r.tokens is not None for role in ROLES for r in self.greedy[role])
         sequences = {role: [r.tokens if use_tokens else list(r.text) for r in self.greedy[role]] for role in ROLES}
-        record["greedy_agreement"], check = gates.greedy_agreement(sequences["candidate"], sequences["stock"], limits)
+        record["greedy_divergences"] = (gates.greedy_divergences(self.greedy["candidate"], self.greedy["stock"])
+                                        if use_tokens else None)
+        record["greedy_agreement"], check = gates.greedy_agreement(sequences["candidate"], sequences["stock"], limits,
+                                                                   record["greedy_divergences"])
         checks.append(check)
         per_request = {r: {w: mean_over_passes(self.lengths[r][w]) for w in workloads} for r in ROLES}
         record["lengths"], check = gates.lengths(per_request["candidate"], per_request["stock"], limits)
