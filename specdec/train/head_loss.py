@@ -120,9 +120,10 @@ def soft_cross_entropy(logits: torch.Tensor, target_logprobs: torch.Tensor, fuse
 
 
 def head_loss(head: UnrolledHead, embed: torch.Tensor, features: torch.Tensor, target_logprobs: torch.Tensor,
-              lengths: torch.Tensor, steps: int, decay: float = 0.8) -> tuple[torch.Tensor, torch.Tensor]:
+              lengths: torch.Tensor, steps: int, decay: float = 0.8, fused: bool | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor]:
     """(the weighted loss, [steps] per-step accuracy of the argmax against the target's), both on the device:
-    reading either is a host sync, which the training loop makes only when it logs.
+    reading either is a host sync, which the training loop makes only when it logs.  fused: soft_cross_entropy's.
 
     target_logprobs [B, T, V_draft]: the target's log-distribution at row p + 1 over the draft vocabulary,
     placed at row p (what position p's head output must predict); lengths [B]: real tokens per row.
@@ -134,7 +135,7 @@ def head_loss(head: UnrolledHead, embed: torch.Tensor, features: torch.Tensor, t
     total, accuracy, weight_sum = 0.0, [], 0.0
     for s, step_logits in enumerate(logits):
         mask = (in_row & (positions[None, :] >= s)).float()  # [B, T]
-        ce = soft_cross_entropy(step_logits, target_logprobs)  # [B, T]
+        ce = soft_cross_entropy(step_logits, target_logprobs, fused)  # [B, T]
         total = total + decay**s * (ce * mask).sum() / mask.sum().clamp(min=1)
         weight_sum += decay**s
         hit = (step_logits.argmax(-1) == target_argmax).float()
