@@ -155,16 +155,20 @@ def test_a_head_starts_from_the_targets_output_side_or_at_random(tiny, start):
 def test_a_head_reads_the_feature_layers_asked_for_and_refuses_ids_past_the_target(tiny):
     import dataclasses
 
-    from specdec.errors import InvalidRequestError
+    from specdec.errors import ConfigError
 
     sequences = [np.array([5, 17, 30, 2, 9, 5, 17])]
     model = pipeline.eagle3_model(dataclasses.replace(tiny["run"], feature_layers=(1, 2, 4)), sequences,
                                   torch.device("cpu"))
     assert model.feature_layers == (1, 2, 4) and model.module.config.feature_layers == (1, 2, 4)
     assert model.signals.layers == (1, 2, 4)
-    with pytest.raises(InvalidRequestError, match="each id must be in 0..4"):
+    with pytest.raises(ConfigError, match="each id must be in 0..4"):
         pipeline.eagle3_model(dataclasses.replace(tiny["run"], feature_layers=(1, 2, 5)), sequences,
                               torch.device("cpu"))
+    fresh = dataclasses.replace(tiny["run"], feature_layers=(1, 2, 5), out=str(tiny["base"] / "bad-layers"))
+    with pytest.raises(ConfigError, match="the target has 4 layers"):
+        pipeline.run_pipeline(fresh, progress=False)
+    assert not (tiny["base"] / "bad-layers").exists()  # refused before any continuation was made
     assert dataclasses.replace(tiny["run"], feature_layers=(1, 2, 4)).identity()["feature_layers"] == [1, 2, 4]
     with pytest.raises(SystemExit):
         pipeline.main(["--target", str(tiny["target"]), "--prompts", "x", "--out", "y", "--feature-layers", "1,2"])

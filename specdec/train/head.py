@@ -36,7 +36,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from specdec.errors import InvalidRequestError
+from specdec.errors import ConfigError
 from specdec.models.eagle3 import Eagle3Head, default_feature_layers, random_head, save_eagle3_head
 from specdec.models.fused import plain_kernels
 from specdec.train.checkpoint import Checkpoint, check_run_identity
@@ -253,11 +253,7 @@ def eagle3_model(run: HeadRun, sequences: list[np.ndarray], device: torch.device
     from specdec.models.loader import load_model
 
     small = load_model(run.target, device, torch.float32)
-    layers = run.feature_layers or default_feature_layers(small.config.num_hidden_layers)
-    if not all(0 <= j <= small.config.num_hidden_layers for j in layers):
-        raise InvalidRequestError(f"--feature-layers {','.join(map(str, layers))}: the target has "
-                                  f"{small.config.num_hidden_layers} layers, so each id must be in 0.."
-                                  f"{small.config.num_hidden_layers} (j: the residual stream entering layer j)")
+    layers = feature_layers_of(run, small.config.num_hidden_layers)
     vocab = draft_vocabulary(sequences, small.config.vocab_size, run.draft_vocab)
     head = random_head(small, seed=run.seed, draft_vocab=len(vocab), feature_layers=layers)
     head = head.float().requires_grad_(True)
@@ -268,6 +264,16 @@ def eagle3_model(run: HeadRun, sequences: list[np.ndarray], device: torch.device
     del small
     return HeadModel(head, Eagle3Unroll(head), TargetSignals(run.target, device, layers), layers, len(vocab),
                      run.start, lambda out_dir, fmt: export_head(head, out_dir, fmt))
+
+
+def feature_layers_of(run: HeadRun, num_target_layers: int) -> tuple[int, ...]:
+    """The target layers an EAGLE-3 head of this run reads: run.feature_layers, or the default; refused when an
+    id is past the target's depth."""
+    layers = run.feature_layers or default_feature_layers(num_target_layers)
+    if not all(0 <= j <= num_target_layers for j in layers):
+        raise ConfigError(f"--feature-layers {','.join(map(str, layers))}: the target has {num_target_layers} layers, "
+                          f"so each id must be in 0..{num_target_layers} (j: the residual stream entering layer j)")
+    return tuple(layers)
 
 
 def start_from_target_output(head: Eagle3Head, target: nn.Module, vocab: torch.Tensor) -> None:
@@ -431,6 +437,10 @@ def check_kind(run: HeadRun) -> None:
 
 def run_pipeline(run: HeadRun, progress: bool = True) -> dict:
     check_kind(run)
+    if run.kind == "eagle3":  # before any continuation is made
+        from specdec.models.config import ModelConfig
+
+        feature_layers_of(run, ModelConfig.from_dir(run.target).num_hidden_layers)
     out = Path(run.out)
     out.mkdir(parents=True, exist_ok=True)
     check_run_identity(run)
