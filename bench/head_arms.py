@@ -26,6 +26,7 @@ import torch  # noqa: E402
 
 from bench import head_acceptance  # noqa: E402
 from bench.common import environment, write_json  # noqa: E402
+from specdec import SamplingParams  # noqa: E402
 from specdec.assets import resolve_model  # noqa: E402
 from specdec.train.head import HeadRun, make_records, train  # noqa: E402
 from specdec.train.log import TrainLog  # noqa: E402
@@ -95,8 +96,7 @@ def walked(args, target: str, model: str, kind: str) -> dict:
     """{tT: acceptance per draft position} of one head (kind eagle3) or drafter (draft) at fixed k in the engine."""
     rows = {}
     for temperature in (float(t) for t in args.temperatures.split(",")):
-        params = head_acceptance.SamplingParams(max_tokens=args.max_tokens, temperature=temperature,
-                                                ignore_eos=True, seed=0)
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=temperature, ignore_eos=True, seed=0)
         config = head_acceptance.speculators(model, model, args.k, names=[kind])[kind]
         rows[f"t{temperature:g}"] = head_acceptance.measure(
             target, config, head_acceptance.load_prompts(args.prompts), params, args.device)[0]
