@@ -36,6 +36,7 @@ judge() {  # judge NAME STOCK_PORT CAND_PORT SECONDS TITLE
   cp "$OUT/judge-$1/record.json" "$OUT/judge-h200-$1.json" 2>/dev/null; rm -f "$OUT/judge-$1"/*.log
 }
 
+HEAD_MODEL=${HEAD_MODEL:-ref-head}  # the EAGLE-3 head of the eagle3 / eagletree candidates (a name or a directory)
 TWINS=${TWINS-draft ngram}  # which twin candidates to judge (draft, eagle3, eagletree, ngram; "" for none); PAIR=0 skips the small pair
 if [ -n "$TWINS" ]; then
 # 1. the headline: ref-target as a qwen3-8b twin, drafter ref-draft as a qwen3-0.6b twin, and n-gram
@@ -46,10 +47,10 @@ case " $TWINS " in *" draft "*)
   start draft8b 8101 ref-target --twin qwen3-8b --speculator draft --draft-model ref-draft --draft-twin qwen3-0.6b \
     --num-draft-tokens 8; ports="$ports 8101" ;; esac
 case " $TWINS " in *" eagle3 "*)  # the head twin's cache rides on the target's blocks (one layer)
-  start eagle8b 8103 ref-target --twin qwen3-8b --speculator eagle3 --draft-model ref-head --draft-twin qwen3-8b \
+  start eagle8b 8103 ref-target --twin qwen3-8b --speculator eagle3 --draft-model $HEAD_MODEL --draft-twin qwen3-8b \
     --num-draft-tokens 7; ports="$ports 8103" ;; esac
 case " $TWINS " in *" eagletree "*)  # the head drafting trees: 5 deep, 3 candidates a depth (15 nodes)
-  start tree8b 8104 ref-target --twin qwen3-8b --speculator eagle3 --draft-model ref-head --draft-twin qwen3-8b \
+  start tree8b 8104 ref-target --twin qwen3-8b --speculator eagle3 --draft-model $HEAD_MODEL --draft-twin qwen3-8b \
     --num-draft-tokens 5 --tree-width 3; ports="$ports 8104" ;; esac
 case " $TWINS " in *" ngram "*)
   start ngram8b 8102 ref-target --twin qwen3-8b --speculator ngram --num-draft-tokens 8; ports="$ports 8102" ;; esac
@@ -58,9 +59,9 @@ wait_healthy $ports; echo "twin servers up at ${SECONDS}s"
 case " $TWINS " in *" draft "*)
   judge twin8b-draft 8100 8101 ${TWIN_JUDGE_S:-120} "ref-target as qwen3-8b twin, drafter ref-draft as qwen3-0.6b twin (k=8)" ;; esac
 case " $TWINS " in *" eagle3 "*)
-  judge twin8b-eagle3 8100 8103 ${TWIN_JUDGE_S:-120} "ref-target as qwen3-8b twin, EAGLE-3 head ref-head as its twin (k=7)" ;; esac
+  judge twin8b-eagle3 8100 8103 ${TWIN_JUDGE_S:-120} "ref-target as qwen3-8b twin, EAGLE-3 head $HEAD_MODEL as its twin (k=7)" ;; esac
 case " $TWINS " in *" eagletree "*)
-  judge twin8b-eagle3-tree 8100 8104 ${TWIN_JUDGE_S:-120} "ref-target as qwen3-8b twin, EAGLE-3 head ref-head as its twin drafting trees (k=5, width 3)" ;; esac
+  judge twin8b-eagle3-tree 8100 8104 ${TWIN_JUDGE_S:-120} "ref-target as qwen3-8b twin, EAGLE-3 head $HEAD_MODEL as its twin drafting trees (k=5, width 3)" ;; esac
 case " $TWINS " in *" ngram "*)
   judge twin8b-ngram 8100 8102 ${TWIN_JUDGE_S:-120} "ref-target as qwen3-8b twin, n-gram speculator (k=8)" ;; esac
 for p in $ports; do curl -sf "localhost:$p/metrics" > "$OUT/metrics-$p.txt"; done  # what each engine did, in all
