@@ -70,6 +70,7 @@ BATCHES = {
     "greedy": ([GREEDY_LONG] * 4, [5, 1, 2, 5]),
     "seeded": ([seeded(NUCLEUS, 1), seeded(TOP_K, 2), seeded(HOT, 3)], [1, 2, 5]),
     "one deep": ([NUCLEUS, TOP_K], [6, 1]),
+    "no cuts": ([HOT, seeded(HOT, 4), GREEDY_LONG], [5, 3, 2]),
 }
 
 
@@ -95,6 +96,26 @@ def test_the_chain_graph_drafts_what_the_step_by_step_chain_drafts(qwen3_dir, he
     real = spec.kv.scratch_block * spec.kv.block_size
     for graph_side, steps_side in zip(kv_graph, kv_steps):
         torch.testing.assert_close(graph_side[:real], steps_side[:real], atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("batch, cuts", [("mixed", True), ("seeded", True), ("no cuts", False), ("greedy", False)])
+def test_a_chain_sorts_only_where_a_row_cuts_by_top_k_or_top_p(qwen3_dir, head_dir, monkeypatch, batch, cuts):
+    """The chain graph's draws ask processed_probs_tensors for the top-k / top-p sort only where some row of
+    the chain has a cut (the graph is keyed by it), and then for every draw."""
+    import specdec.speculate.chain_graph as chain_graph
+    asked = []
+    real = chain_graph.processed_probs_tensors
+    monkeypatch.setattr(chain_graph, "processed_probs_tensors",
+                        lambda *a, cuts=True: asked.append(cuts) or real(*a, cuts=cuts))
+    params, ks = BATCHES[batch]
+    llm = eagle_llm(qwen3_dir, head_dir, 5, static_shapes=True, max_graph_batch=8)
+    spec = llm.engine.speculator
+    reqs = ready_requests(llm, params)
+    asked.clear()
+    propose_once(spec, reqs, ks, step_by_step=False)
+    assert asked == [cuts] * max(ks)
+    shape = spec.chain_graphs.chain_shape(sorted(zip(reqs, ks), key=lambda item: -item[1]))
+    assert spec.chain_graphs._graph_key(*shape) == (*shape, cuts)
 
 
 @pytest.mark.parametrize("k", [1, 2, 3, 4, 5, 6])

@@ -76,7 +76,7 @@ class StaticRunner:
         self.tree_masks = False  # enable_tree_masks()
         self._make_buffers(_input_size(self.max_batch, max_q, self.max_cols) + self.max_batch * max_q)  # + extra
         self.q_offsets = np.arange(max_q)
-        self.graphs: dict[tuple[int, int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # _graph_key -> graph, logits
         # Every captured graph writes its logits into this one buffer (rows of the largest shape): a graph
         # that kept its own output would hold [batch * q, V] per shape for good (GBs over a ladder).
         self.logits: torch.Tensor | None = None
@@ -275,13 +275,17 @@ class StaticRunner:
     def _forward(self, batch: int, q: int, context: int) -> torch.Tensor:
         if not self.capture:
             return self._eager(batch, q, context)
-        key = (batch, q, context)
+        key = self._graph_key(batch, q, context)
         if key not in self.graphs:
             self.graphs[key] = self._capture(batch, q, context)
         graph, out = self.graphs[key]
         graph.replay()
         self.replays += 1
         return out
+
+    def _graph_key(self, batch: int, q: int, context: int) -> tuple:
+        """The key of the graph that runs this padded shape (a subclass adds what else its graphs differ by)."""
+        return batch, q, context
 
     def _eager(self, batch: int, q: int, context: int) -> torch.Tensor:
         """The padded forward: logits [batch * q, V] for every row, padding included."""

@@ -10,7 +10,9 @@ depth, context) bucket runs, on the device:
 
 Draws read each row's settings as tensors (temperature, 0 = greedy; top_k, 0 = off; top_p) and one uniform
 a draw (processed_probs_tensors, then inverse_cdf: a greedy row's one-hot q gives its argmax whatever the
-uniform).  Outputs: the drafts [B, D] as target ids and each draw's q [B, D, V_draft].
+uniform).  A chain in which no row cuts its distribution by top-k or top-p (the host knows) runs graphs that
+skip the sort those cuts need: graphs are keyed by (batch, depth, context, cuts).  Outputs: the drafts [B, D]
+as target ids and each draw's q [B, D, V_draft].
 
 The chain's forwards are staged as one StaticRunner step of q = D tokens a sequence (`_stage`): sequence i's
 row j is forward j + 1's, at position start_i + j, and carries a real token for j < k_i - 1 only; its other
@@ -51,6 +53,7 @@ class ChainGraphs(StaticRunner):
         self.settings = torch.zeros(3, rows, device=device)  # temperature, top_k, top_p per row (float32)
         self.uniforms = torch.zeros(rows, max_depth, device=device)  # [rows, depth] one per draw
         self.tokens = torch.zeros(rows, max_depth, dtype=torch.long, device=device)  # the graph's drafts
+        self.cuts = False  # whether the chain being run has a row with top-k or top-p (its draws sort)
 
     def chain_shape(self, active: list[tuple[Request, int]], firsts: list[int] | None = None) -> tuple[int, int, int]:
         """The (batch, depth, context) bucket of a chain of these (request, k), longest k first; firsts: each
@@ -81,6 +84,7 @@ class ChainGraphs(StaticRunner):
         self.states[:count].copy_(states)
         self.first_logits[:count].copy_(logits)
         self.settings[:, :batch].copy_(upload(self._settings(active, batch), self.device, torch.float32))
+        self.cuts = any(req.params.top_k > 0 or req.params.top_p < 1.0 for req, _ in active)
         if uniforms is None:
             self.uniforms[:count].zero_()
         else:
@@ -108,6 +112,10 @@ class ChainGraphs(StaticRunner):
         real = torch.arange(depth, device=self.device) < upload(fed, self.device)[:, None]
         slots.copy_(torch.where(real, block * bs + positions % bs, slots))
 
+    def _graph_key(self, batch: int, depth: int, context: int) -> tuple:
+        """A chain's graphs differ by its cuts as well (the draws sort or not)."""
+        return batch, depth, context, self.cuts
+
     @staticmethod
     def _settings(active: list[tuple[Request, int]], batch: int) -> list[list[float]]:
         """[3, batch]: temperature, top_k, top_p of each row; padding rows greedy."""
@@ -134,7 +142,7 @@ class ChainGraphs(StaticRunner):
     def _draw(self, logits: torch.Tensor, i: int, batch: int) -> torch.Tensor:
         """Draw i of every row from logits [batch, V_draft] into self.tokens[:, i] -> its q [batch, V_draft]."""
         temperature, top_k, top_p = self.settings[:, :batch]
-        q = processed_probs_tensors(logits, temperature, top_k.long(), top_p)
+        q = processed_probs_tensors(logits, temperature, top_k.long(), top_p, cuts=self.cuts)
         drafts = inverse_cdf(q, self.uniforms[:batch, i:i + 1])[:, 0]  # [batch] draft ids
         self.tokens[:batch, i].copy_(drafts if self.target_ids is None else self.target_ids[drafts])
         return q
