@@ -311,6 +311,13 @@ def test_a_head_with_a_missing_weight_is_refused(qwen3_dir, head_dir, tmp_path):
         eagle_llm(qwen3_dir, bad)
 
 
+def test_a_whole_model_passed_as_a_head_is_refused_for_what_it_is(qwen3_dir, head_dir):
+    """A draft model's directory (Qwen3ForCausalLM weights) given to --speculator eagle3: the error says it is
+    not an EAGLE-3 head and which speculator takes it, not a shape mismatch."""
+    with pytest.raises(ModelLoadError, match=r"is not an EAGLE-3 head.*Qwen3ForCausalLM.*--speculator draft"):
+        eagle_llm(qwen3_dir, qwen3_dir)
+
+
 def test_a_kv_cache_sized_from_free_memory_leaves_the_head_room_for_as_many_blocks(qwen3_dir, head_dir,
                                                                                     monkeypatch):
     from specdec.engine.kv_cache import KVCache, num_blocks_for

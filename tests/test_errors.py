@@ -53,6 +53,15 @@ def test_unsupported_architecture(copy_of):
         LLM(path, device="cpu")
 
 
+def test_an_eagle3_head_served_as_a_model_is_refused_for_what_it_is(copy_of):
+    path = copy_of()
+    config = json.loads((path / "config.json").read_text())
+    config["architectures"] = ["LlamaForCausalLMEagle3"]
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match=r"EAGLE-3 draft head .*--speculator eagle3 --draft-model"):
+        LLM(path, device="cpu")
+
+
 @pytest.mark.parametrize("kwargs,message", [
     (dict(max_tokens=0), "max_tokens"),
     (dict(max_tokens=-3), "max_tokens"),

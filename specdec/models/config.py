@@ -115,6 +115,11 @@ class ModelConfig:
     def from_dict(cls, raw: dict[str, Any]) -> "ModelConfig":
         architectures = raw.get("architectures") or []
         known = [a for a in architectures if a in SUPPORTED_ARCHITECTURES]
+        if not known and any("eagle" in str(a).lower() for a in architectures):
+            raise ModelLoadError(
+                f"this is an EAGLE-3 draft head ({', '.join(architectures)}), not a model to serve or draft with: "
+                f"give it beside its target with --speculator eagle3 --draft-model DIR "
+                f"(SpecConfig('eagle3', model=DIR))")
         if not known:
             raise ModelLoadError(
                 f"unsupported architecture {architectures or raw.get('model_type')!r}: specdec runs "

@@ -173,6 +173,7 @@ def load_eagle3_head(head_dir: str | Path, target, device: torch.device, dtype: 
         raw = json.loads(config_path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ModelLoadError(f"{config_path} is not valid JSON: {exc}") from exc
+    _check_is_a_head(head_dir, raw)
     config = Eagle3Config.from_dict(raw, str(config_path))
     check_fits_target(config, target.config, config_path)
     from specdec.models.loader import read_state_dict
@@ -231,6 +232,28 @@ def _raw_tensor(head_dir: Path, name: str) -> torch.Tensor:
             if name in f.keys():
                 return f.get_tensor(name)
     raise KeyError(name)
+
+
+def _check_is_a_head(head_dir: Path, raw: dict) -> None:
+    """Refuse a whole model passed as a head (its weights hold neither fc.* nor midlayer.*), saying what it is,
+    before its config is read as a head's and refused for a shape that is beside the point."""
+    from safetensors import SafetensorError, safe_open
+
+    from specdec.models.loader import weight_files
+
+    names: set[str] = set()
+    for path in weight_files(head_dir):
+        try:
+            with safe_open(str(path), framework="pt", device="cpu") as f:
+                names.update(f.keys())
+        except (SafetensorError, OSError):  # unreadable: read_state_dict says so, naming the file
+            return
+    if names and not any(n.startswith(("fc.", "midlayer.")) for n in names):
+        kind = ", ".join(raw.get("architectures") or []) or "not named"
+        raise ModelLoadError(f"{head_dir} is not an EAGLE-3 head: its weights have no fc.* or midlayer.* tensors "
+                             f"(config.json's architectures: {kind}). A whole model drafts with the draft "
+                             f"speculator (--speculator draft); an EAGLE-3 head holds fc, midlayer.*, norm and "
+                             f"lm_head (docs/EAGLE3.md)")
 
 
 def _check_weights(head: Eagle3Head, state: dict, head_dir: Path) -> None:
