@@ -169,6 +169,24 @@ def test_a_head_reads_the_feature_layers_asked_for_and_refuses_ids_past_the_targ
     with pytest.raises(ConfigError, match="the target has 4 layers"):
         pipeline.run_pipeline(fresh, progress=False)
     assert not (tiny["base"] / "bad-layers").exists()  # refused before any continuation was made
+    for source, what in ((tiny["base"] / "no-such.jsonl", "no such file"), (tiny["base"], "without manifest.json")):
+        missing = dataclasses.replace(tiny["run"], sources=[str(source)], out=str(tiny["base"] / "bad-prompts"))
+        with pytest.raises(ConfigError, match=f"prompt source .*{what}.*specdec.data.corpus"):
+            pipeline.run_pipeline(missing, progress=False)
+        assert not (tiny["base"] / "bad-prompts").exists()
     assert dataclasses.replace(tiny["run"], feature_layers=(1, 2, 4)).identity()["feature_layers"] == [1, 2, 4]
     with pytest.raises(SystemExit):
         pipeline.main(["--target", str(tiny["target"]), "--prompts", "x", "--out", "y", "--feature-layers", "1,2"])
+
+
+def test_the_command_line_names_a_missing_prompt_source_without_a_traceback(tiny, tmp_path, capsys):
+    from specdec.cli import main
+
+    code = main(["train", "head", "--target", str(tiny["target"]), "--prompts", str(tmp_path / "nothing"),
+                 "--out", str(tmp_path / "run")])
+    assert code == 2 and not (tmp_path / "run").exists()
+    err = capsys.readouterr().err
+    assert err.startswith("specdec: error: prompt source") and "Traceback" not in err
+    with pytest.raises(SystemExit):
+        pipeline.main(["--target", str(tiny["target"]), "--prompts", "x", "--out", "y", "--draft-vocab", "0"])
+    assert "--draft-vocab must be at least 1" in capsys.readouterr().err

@@ -16,14 +16,15 @@ from typing import Sequence
 
 import numpy as np
 
+from specdec.errors import ConfigError
 from specdec.train.log import TrainLog
 
 SHARD_PREFIX = "shard-"
 TOPK_SUFFIX = ".topk.npz"
 
 
-class HeldoutOverlapError(ValueError):
-    """Training prompts overlap the held-out set."""
+class HeldoutOverlapError(ConfigError):
+    """Training prompts overlap the held-out set (a ConfigError: the command line says `specdec: error: ...`)."""
 
 
 def load_prompt_sources(sources: Sequence[str], target_dir: Path, n_prompts: int, min_prompt: int,
@@ -56,11 +57,25 @@ def load_prompt_sources(sources: Sequence[str], target_dir: Path, n_prompts: int
             how = "JSON-lines prompt file given on the command line, all of its prompts"
             kind, split = "jsonl", "train"
         else:
-            raise FileNotFoundError(f"prompt source {source}: neither a corpus directory nor a JSON-lines file")
+            raise ConfigError(_not_a_prompt_source(path))
         items = [p for p in items if p]
         prompts.extend({"id": f"{tag}-{i:06d}", "source": str(path), "prompt": p} for i, p in enumerate(items))
         rows.append({"source": str(path), "kind": kind, "split": split, "prompts": len(items), "how": how})
     return prompts, rows
+
+
+def check_prompt_sources(sources: Sequence[str]) -> None:
+    """Refuse, before any work is done, a prompt source that load_prompt_sources cannot read."""
+    for source in sources:
+        path = Path(source)
+        if not (path.is_file() or (path / "manifest.json").is_file()):
+            raise ConfigError(_not_a_prompt_source(path))
+
+
+def _not_a_prompt_source(path: Path) -> str:
+    what = ("a directory without manifest.json" if path.is_dir() else "no such file or directory")
+    return (f"prompt source {path}: {what}; give a corpus directory (as `python -m specdec.data.corpus --out DIR` "
+            f"writes) or a JSON-lines file of {{\"prompt\": ...}} rows")
 
 
 def add_data_arguments(parser, n_prompts: int, n_prompts_help: str) -> None:

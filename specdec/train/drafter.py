@@ -48,8 +48,8 @@ from specdec.train.distill import DistillConfig, PairBatcher, acceptance_tau, di
 from specdec.train.checkpoint import Checkpoint, RunMismatchError, check_run_identity  # noqa: F401 (re-exported)
 from specdec.train.cli import model_dir_arg
 from specdec.train.data import (  # noqa: F401 (re-exported)
-    SHARD_PREFIX, TOPK_SUFFIX, HeldoutOverlapError, check_overlap, generate_continuations, load_or_make_heldout,
-    load_prompt_sources, read_shards, write_topk)
+    SHARD_PREFIX, TOPK_SUFFIX, HeldoutOverlapError, check_overlap, check_prompt_sources, generate_continuations,
+    load_or_make_heldout, load_prompt_sources, read_shards, write_topk)
 from specdec.train.lm import add_train_args, autocast, lr_factor, make_optimizer, pick_device
 from specdec.train.log import TrainLog
 
@@ -409,6 +409,7 @@ def run_pipeline(run: DrafterRun, quiet: bool = False) -> dict:
 def _run_pipeline(run: DrafterRun, quiet: bool, rank: int, world: int) -> dict:
     from specdec.llm import LLM
 
+    check_prompt_sources(run.sources)
     out = Path(run.out)
     out.mkdir(parents=True, exist_ok=True)
     if rank == 0:

@@ -40,8 +40,8 @@ from specdec.errors import ConfigError
 from specdec.models.eagle3 import Eagle3Head, default_feature_layers, random_head, save_eagle3_head
 from specdec.models.fused import plain_kernels
 from specdec.train.checkpoint import Checkpoint, check_run_identity
-from specdec.train.data import (add_data_arguments, check_overlap, generate_continuations, load_or_make_heldout,
-                                load_prompt_sources)
+from specdec.train.data import (add_data_arguments, check_overlap, check_prompt_sources, generate_continuations,
+                                load_or_make_heldout, load_prompt_sources)
 from specdec.train.head_loss import UnrolledHead, head_loss, unrolled_logits
 from specdec.train.head_unroll import Eagle3Unroll
 from specdec.train.lm import autocast, bar_interval, lr_factor, make_optimizer, pick_device
@@ -437,6 +437,7 @@ def check_kind(run: HeadRun) -> None:
 
 def run_pipeline(run: HeadRun, progress: bool = True) -> dict:
     check_kind(run)
+    check_prompt_sources(run.sources)
     if run.kind == "eagle3":  # before any continuation is made
         from specdec.models.config import ModelConfig
 
@@ -501,6 +502,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.ttt_steps < 1 or args.max_steps < 1:
         parser.error("--ttt-steps and --max-steps must be at least 1")
+    if args.draft_vocab is not None and args.draft_vocab < 1:
+        parser.error("--draft-vocab must be at least 1 (a larger size than the target's vocabulary takes all of it)")
     if args.kind == "mtp" and args.draft_vocab is not None:
         parser.error("--draft-vocab is for --kind eagle3: an MTP head drafts over the target's whole vocabulary")
     formats = args.formats or (["bf16"] if args.kind == "mtp" else list(FORMATS))
