@@ -189,6 +189,30 @@ def test_unreachable_url(tmp_path):
     url = f"http://127.0.0.1:{free_port()}"
     record = judge_fakes(tmp_path, (), url, startup_timeout_s=0.5, **SHORT)
     assert_failed(record, "candidate engine is not reachable", url)
+    from specdec.judge.summary import headline, score_line
+
+    assert headline(record) == [f"verdict: STOPPED before any gate was checked: {record['reason']}"]
+    assert score_line(record).endswith("withheld (see the verdict and the reason)") and record["quick"] is None
+    gate_failed = dict(record, reason="gate failed: fixed texts: ...", verdict="fail")
+    assert headline(gate_failed)[0] == "verdict: REFUSED: a gate failed"
+
+
+def test_a_wait_for_an_unreachable_url_says_how_it_goes(tmp_path, monkeypatch):
+    """While a given URL does not answer, the person watching hears every WAIT_NOTE_EVERY_S what the judge waits
+    for, how long it will, and that nothing listens there; then the judge fails naming the URL."""
+    from specdec.judge import engines
+    from specdec.judge.engines import Engine, JudgeFailure
+
+    monkeypatch.setattr(engines, "WAIT_NOTE_EVERY_S", 0.2)
+    url = f"http://127.0.0.1:{free_port()}"
+    engine = Engine("candidate", url, tmp_path, startup_timeout_s=1.0)
+    notes: list[str] = []
+    engine.launch()
+    with pytest.raises(JudgeFailure, match=f"candidate engine is not reachable at {url}/health"):
+        engine.ready(note=notes.append)
+    assert 2 <= len(notes) <= 6
+    assert all(n.startswith(f"candidate: waiting for {url}/health (ConnectError)") for n in notes)
+    assert "of 1 s (--startup-timeout); nothing answers there yet: start the server, or check --candidate" in notes[0]
 
 
 def test_failing_requests(tmp_path):

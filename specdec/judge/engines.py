@@ -29,6 +29,7 @@ from specdec.judge.client import ENGINE_MEMORY_BYTES, fetch_metrics_sync, find_m
 from specdec.parent_watch import child_env
 
 MIB = 1024 * 1024
+WAIT_NOTE_EVERY_S = 15.0  # while an engine is not healthy yet, how often the person watching is told
 
 
 class JudgeFailure(Exception):
@@ -217,19 +218,24 @@ class Engine:
                                              start_new_session=True, env=child_env())
         self.healthy = False
 
-    def ready(self) -> None:
+    def ready(self, note=None) -> None:
+        """Wait for /health (note(text), if given, hears every WAIT_NOTE_EVERY_S how the wait goes)."""
         if self.healthy:
             return
-        self.wait_healthy()
+        self.wait_healthy(note)
         self.healthy = True
         self.memory.start(self.proc.pid if self.proc else None, self.url, self._gpu_baseline)
 
-    def wait_healthy(self) -> None:
-        deadline = time.monotonic() + self.startup_timeout_s
+    def wait_healthy(self, note=None) -> None:
+        started = time.monotonic()
+        deadline, next_note = started + self.startup_timeout_s, started + WAIT_NOTE_EVERY_S
         delay = 0.02
         last = "no answer"
         while time.monotonic() < deadline:
             self.check_alive("while starting")
+            if note is not None and time.monotonic() >= next_note:
+                next_note += WAIT_NOTE_EVERY_S
+                note(self._waiting(last, time.monotonic() - started))
             try:
                 resp = http_get(f"{self.url}/health", 5.0)
                 if resp.status_code == 200:
@@ -243,6 +249,14 @@ class Engine:
         where = "is not reachable" if not self.launched else "did not become healthy"
         raise JudgeFailure(f"{self.role} engine {where} at {self.url}/health within "
                            f"{self.startup_timeout_s:g} s (last: {last}){self.log_tail()}")
+
+    def _waiting(self, last: str, waited_s: float) -> str:
+        """What a wait for /health has seen so far, and what the person watching can do about it."""
+        text = (f"{self.role}: waiting for {self.url}/health ({last}), {waited_s:.0f} s of "
+                f"{self.startup_timeout_s:g} s (--startup-timeout)")
+        if not self.launched and last == "ConnectError":
+            text += f"; nothing answers there yet: start the server, or check --{self.role}"
+        return text
 
     def check_alive(self, when: str, grace_s: float = 0.0) -> None:
         """Raise JudgeFailure if a launched engine has exited (or does within grace_s seconds)."""

@@ -139,7 +139,7 @@ class Judge:
             return
         engine.launch()
         self.reporter.say(f"[bold]{role}[/]: {'starting' if engine.launched else 'using'} {engine.command}")
-        engine.ready()
+        engine.ready(note=self.reporter.say)
         if role not in self.apis:
             self.apis[role] = EngineApi(engine.url, self.config.model_for(role) or model_name(engine.url),
                                         self.config.request_timeout_s)
@@ -374,7 +374,7 @@ class Judge:
         else:
             verdict = gates.INCONCLUSIVE if inconclusive else gates.PASS
         quick = None
-        if self.config.quick:
+        if self.config.quick and checks:  # a run that stopped before its gates has no sizes to speak of
             replies = len(self.scored.get("candidate", []))
             names = ", ".join(row["check"] for row in inconclusive)
             quick = (f"--quick: {replies} sampled replies per engine and {len(self.fixed_texts)} fixed texts. "

@@ -22,6 +22,9 @@ def fmt(value, spec: str) -> str:
 def headline(record: dict) -> list[str]:
     """The record's first lines: its verdict, each inconclusive or unmeasurable gate, what --quick misses."""
     verdict = record.get("verdict") or ("pass" if record.get("reason") is None else "fail")
+    reason = record.get("reason") or ""
+    if verdict == "fail" and not reason.startswith("gate"):  # the run stopped (an engine), no gate was checked
+        return [f"verdict: STOPPED before any gate was checked: {reason}"]
     lines = [f"verdict: {VERDICT_TEXT.get(verdict, verdict)}"]
     for row in record.get("inconclusive") or []:
         lines.append(f"  inconclusive: {row['check']}: {row['why']}; power {row['power']}")
@@ -38,7 +41,7 @@ def score_line(record: dict) -> str:
     speed = f"SpecScore {specscore} is speed alone (geometric mean of the workloads' median speedups)"
     if record.get("reason") is None:
         return f"{speed}; score {score} is what is awarded: SpecScore, since no gate refused it (0 if one does)"
-    return f"{speed}; score {score}: withheld, because {record.get('verdict') or 'a gate'} (see reason)"
+    return f"{speed}; score {score}: withheld (see the verdict and the reason)"
 
 
 def speed_lines(record: dict) -> list[str]:
