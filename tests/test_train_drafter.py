@@ -165,6 +165,18 @@ def test_heldout_overlap_is_refused(tiny, tmp_path):
     assert [p["id"] for p in pipeline.check_overlap(train, held_ids, drop=True)] == ["b"]
 
 
+def test_a_batch_the_ranks_cannot_share_is_refused(tiny, tmp_path, monkeypatch):
+    """Under torchrun, a global batch that is not a multiple of the world size: a ConfigError (the command line's
+    `specdec: error:`) before any work, saying what to give."""
+    from specdec.errors import ConfigError
+
+    monkeypatch.setattr(pipeline, "init_distributed", lambda device: (0, 3, False))
+    run = _run(tiny["base"], tmp_path / "run", tiny["heldout"], tiny["prompts"])
+    with pytest.raises(ConfigError, match="not a multiple of the world size 3: give a multiple of 3"):
+        pipeline.run_pipeline(run, quiet=True)
+    assert not (tmp_path / "run").exists()
+
+
 def test_resume_continues_and_mismatch_is_refused(tiny, tmp_path):
     import shutil
 

@@ -44,6 +44,7 @@ from typing import Any, Iterable, Sequence
 import numpy as np
 import torch
 
+from specdec.errors import ConfigError
 from specdec.train.distill import DistillConfig, PairBatcher, acceptance_tau, distill_loss, draft_matches
 from specdec.train.checkpoint import Checkpoint, RunMismatchError, check_run_identity  # noqa: F401 (re-exported)
 from specdec.train.cli import model_dir_arg
@@ -395,8 +396,8 @@ def run_pipeline(run: DrafterRun, quiet: bool = False) -> dict:
     rank, world, made = init_distributed(run.train.device)
     try:
         if run.train.batch_size % world:
-            raise ValueError(f"--batch-size {run.train.batch_size} (the global batch) is not a multiple of the "
-                             f"world size {world}")
+            raise ConfigError(f"--batch-size {run.train.batch_size} (the global batch) is not a multiple of the "
+                              f"world size {world}: give a multiple of {world}")
         result = _run_pipeline(run, quiet, rank, world)
         if made:  # the ranks end together: one tearing its group down while rank 0 still exports aborted it
             torch.distributed.barrier()
