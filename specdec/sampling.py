@@ -35,6 +35,11 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    @property
+    def cuts(self) -> bool:
+        """Whether sampling cuts the distribution by top-k or top-p (greedy never does: it takes the argmax)."""
+        return not self.greedy and (self.top_k > 0 or self.top_p < 1.0)
+
     def validate(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
             raise InvalidRequestError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")

@@ -153,7 +153,7 @@ class FixedAcceptance:
         with_q = [s for s in seqs if s.num_drafts and s.request.draft_probs is not None] if sampled else []
         width = with_q[0].request.draft_probs.shape[-1] if with_q else 0
         mapped = bool(with_q) and with_q[0].request.draft_vocab is not None
-        cuts = any(s.request.params.top_k > 0 or s.request.params.top_p < 1.0 for s in sampled)
+        cuts = any(s.request.params.cuts for s in sampled)
         key = self._key(batch, q, bool(sampled), cuts, width, mapped, logits)
         shape = self._shape(key, logits)
         turn, shape.turn = shape.turn, 1 - shape.turn

@@ -84,7 +84,7 @@ class ChainGraphs(StaticRunner):
         self.states[:count].copy_(states)
         self.first_logits[:count].copy_(logits)
         self.settings[:, :batch].copy_(upload(self._settings(active, batch), self.device, torch.float32))
-        self.cuts = any(req.params.top_k > 0 or req.params.top_p < 1.0 for req, _ in active)
+        self.cuts = any(req.params.cuts for req, _ in active)
         if uniforms is None:
             self.uniforms[:count].zero_()
         else:
