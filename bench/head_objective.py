@@ -34,7 +34,7 @@ from specdec.models.eagle3 import feature_layers, load_eagle3_head, save_eagle3_
 from specdec.models.loader import load_model  # noqa: E402
 from specdec.train.data import load_prompt_sources  # noqa: E402
 from specdec.train.head import SequenceBatcher, TargetSignals  # noqa: E402
-from specdec.train.head_loss import head_loss, unrolled_logits  # noqa: E402
+from specdec.train.head_loss import head_loss  # noqa: E402
 from specdec.train.head_unroll import Eagle3Unroll  # noqa: E402
 
 
@@ -48,23 +48,14 @@ def continuations(target: str, corpus: str, count: int, tokens: int) -> list:
     return [torch.tensor(list(p["prompt"]) + list(o.token_ids)).numpy() for p, o in zip(prompts, outs)]
 
 
-def objective_loss(objective: str, unroll, embed, features, target_logprobs, lengths, steps: int,
-                   decay: float = 0.8) -> torch.Tensor:
-    """The loss of one batch: kl (specdec's head_loss), tv (1 - sum min(p, q), weighted per step as head_loss
-    weights its steps), or mixN (tv + N/10 x the cross-entropy)."""
-    if objective == "kl":
-        return head_loss(unroll, embed, features, target_logprobs, lengths, steps, decay, fused=False)[0]
-    mix = float(objective[3:]) / 10 if objective.startswith("mix") else 0.0
-    positions = torch.arange(embed.shape[1])
-    in_row = positions[None, :] + 1 < lengths[:, None]  # [B, T]
-    p = target_logprobs.exp()  # [B, T, V_draft]
-    total = weights = 0.0
-    for s, logits in enumerate(unrolled_logits(unroll, embed, features, steps)):
-        mask = (in_row & (positions[None, :] >= s)).float()  # [B, T]
-        loss = step_loss(p, logits, mix)  # [B, T]
-        total = total + decay**s * (loss * mask).sum() / mask.sum().clamp(min=1)
-        weights += decay**s
-    return total / weights
+def objective_loss(objective: str, unroll, embed, features, target_logprobs, lengths, steps: int) -> torch.Tensor:
+    """The loss of one batch: kl (specdec's head_loss), tv (1 - sum min(p, q) per position, masked and weighted
+    per step as head_loss weights the cross-entropy), or mixN (tv + N/10 x the cross-entropy)."""
+    row_loss = None
+    if objective != "kl":
+        mix = float(objective[3:]) / 10 if objective.startswith("mix") else 0.0
+        row_loss = lambda logits, logprobs: step_loss(logprobs.exp(), logits, mix)  # noqa: E731
+    return head_loss(unroll, embed, features, target_logprobs, lengths, steps, fused=False, row_loss=row_loss)[0]
 
 
 def step_loss(p: torch.Tensor, logits: torch.Tensor, mix: float = 0.0) -> torch.Tensor:

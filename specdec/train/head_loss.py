@@ -17,7 +17,7 @@ distribution at p + 1 over the draft vocabulary (the KL up to a constant), weigh
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Callable, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -120,10 +120,13 @@ def soft_cross_entropy(logits: torch.Tensor, target_logprobs: torch.Tensor, fuse
 
 
 def head_loss(head: UnrolledHead, embed: torch.Tensor, features: torch.Tensor, target_logprobs: torch.Tensor,
-              lengths: torch.Tensor, steps: int, decay: float = 0.8, fused: bool | None = None
+              lengths: torch.Tensor, steps: int, decay: float = 0.8, fused: bool | None = None,
+              row_loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
               ) -> tuple[torch.Tensor, torch.Tensor]:
     """(the weighted loss, [steps] per-step accuracy of the argmax against the target's), both on the device:
     reading either is a host sync, which the training loop makes only when it logs.  fused: soft_cross_entropy's.
+    row_loss(step logits [B, T, V_draft], target_logprobs) -> [B, T]: another loss per position than the
+    cross-entropy (bench/head_objective.py's), masked and weighted per step as it is.
 
     target_logprobs [B, T, V_draft]: the target's log-distribution at row p + 1 over the draft vocabulary,
     placed at row p (what position p's head output must predict); lengths [B]: real tokens per row.
@@ -135,7 +138,8 @@ def head_loss(head: UnrolledHead, embed: torch.Tensor, features: torch.Tensor, t
     total, accuracy, weight_sum = 0.0, [], 0.0
     for s, step_logits in enumerate(logits):
         mask = (in_row & (positions[None, :] >= s)).float()  # [B, T]
-        ce = soft_cross_entropy(step_logits, target_logprobs, fused)  # [B, T]
+        ce = (row_loss(step_logits, target_logprobs) if row_loss is not None
+              else soft_cross_entropy(step_logits, target_logprobs, fused))  # [B, T]
         total = total + decay**s * (ce * mask).sum() / mask.sum().clamp(min=1)
         weight_sum += decay**s
         hit = (step_logits.argmax(-1) == target_argmax).float()
