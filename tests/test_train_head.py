@@ -190,3 +190,71 @@ def test_the_command_line_names_a_missing_prompt_source_without_a_traceback(tiny
     with pytest.raises(SystemExit):
         pipeline.main(["--target", str(tiny["target"]), "--prompts", "x", "--out", "y", "--draft-vocab", "0"])
     assert "--draft-vocab must be at least 1" in capsys.readouterr().err
+
+
+def _write_corpus(path: Path, train: list[str], heldout: list[str]) -> Path:
+    """A corpus directory in specdec.data.corpus's layout with these documents."""
+    path.mkdir(parents=True, exist_ok=True)
+    manifest = {"splits": {}}
+    for split, texts in (("train", train), ("heldout", heldout)):
+        shard = f"{split}-00000.jsonl"
+        _write_jsonl(path / shard, [{"package": "p", "version": "0", "path": f"{split}{i}.py", "text": t}
+                                    for i, t in enumerate(texts)])
+        manifest["splits"][split] = {"shards": [shard]}
+    (path / "manifest.json").write_text(json.dumps(manifest))
+    return path
+
+
+def test_corpus_windows_cut_the_train_documents_into_pieces_and_pick_a_seeded_choice(tiny, tmp_path):
+    from specdec.train.data import corpus_windows
+
+    # the tiny target's tokenizer is one token a character: a document of n characters is n tokens
+    corpus = _write_corpus(tmp_path / "corpus", ["a" * 10, "bcdefgh", "x" * 3], ["held out " * 5])
+    jsonl = _write_jsonl(tmp_path / "p.jsonl", [{"id": "0", "prompt": "abc"}])
+    windows, rows = corpus_windows([str(jsonl), str(corpus)], tiny["target"], 100, 4, seed=0, min_length=2)
+    assert [len(w["window"]) for w in windows] == [4, 4, 2, 4, 3, 3]  # 10 -> 4 4 2, 7 -> 4 3, 3 -> 3
+    assert [w["opening"] for w in windows] == [True, False, False, True, False, True]
+    assert np.concatenate([w["window"] for w in windows[:3]]).tolist() == windows[0]["window"][:1].tolist() * 10
+    assert {w["source"] for w in windows} == {str(corpus)}  # the JSON-lines source has no documents
+    assert rows == [{"source": str(corpus), "windows": 6, "picked": 6, "tokens": 20}]
+    short, _ = corpus_windows([str(corpus)], tiny["target"], 100, 4, seed=0, min_length=3)
+    assert [len(w["window"]) for w in short] == [4, 4, 4, 3, 3]  # the 2-token tail is left out
+    picked, rows = corpus_windows([str(corpus)], tiny["target"], 3, 4, seed=1, min_length=2)
+    again, _ = corpus_windows([str(corpus)], tiny["target"], 3, 4, seed=1, min_length=2)
+    ids = [w["id"] for w in corpus_windows([str(corpus)], tiny["target"], 100, 4, seed=0, min_length=2)[0]]
+    assert [w["id"] for w in picked] == [w["id"] for w in again] and len(picked) == 3
+    assert set(w["id"] for w in picked) <= set(ids) and rows[0]["picked"] == 3
+
+
+def test_a_head_trains_on_corpus_windows_beside_the_continuations(tiny, tmp_path):
+    import dataclasses
+
+    from specdec.errors import ConfigError
+
+    texts = _texts(40, 11, length=150)
+    corpus = _write_corpus(tmp_path / "corpus", texts, _texts(4, 12))
+    run = dataclasses.replace(tiny["run"], sources=[str(corpus)], out=str(tmp_path / "run"), n_prompts=8,
+                              corpus_windows=50, max_steps=4, checkpoint_every=2, formats=("bf16",))
+    records, heldout, _, _ = pipeline.make_records(run, pipeline.TrainLog(tmp_path / "log.jsonl", name="t"))
+    windows = [r for r in records if "window" in r]
+    assert len(windows) == 50 and len(records) == 58  # 150 tokens a document: 64 + 64 (+ 22, < 32): 50 of 80
+    assert all(len(w["window"]) <= run.seq_len for w in windows)
+    assert pipeline.sequence_of(windows[0]).tolist() == list(windows[0]["window"])
+    result = pipeline.run_pipeline(run, progress=False)
+    assert result["steps"] == 4
+    manifest = (tmp_path / "run" / "DATA_MANIFEST.md").read_text()
+    assert "Corpus windows: 50 pieces of at most 64 tokens" in manifest
+    assert run.identity()["corpus_windows"] == 50 and "corpus_windows" not in tiny["run"].identity()
+    # a held-out prompt that is a document's opening: its windows are refused, or left out with --drop-overlap
+    heldout = [{"prompt": LLM(tiny["target"], device="cpu").encode(texts[3][:40]), "continuation": []}]
+    everything = dataclasses.replace(run, corpus_windows=1000)
+    with pytest.raises(ConfigError, match="overlap the held-out set"):
+        pipeline.windows_of(everything, heldout, pipeline.TrainLog(tmp_path / "l2.jsonl", name="t"))
+    kept = pipeline.windows_of(dataclasses.replace(everything, drop_overlap=True), heldout,
+                               pipeline.TrainLog(tmp_path / "l3.jsonl", name="t"))
+    assert len(kept) == 79 and not any(w["id"] == "w0-000003-0" for w in kept)
+    # no corpus among the sources: refused before any work
+    jsonl_only = dataclasses.replace(run, sources=tiny["run"].sources, out=str(tmp_path / "none"))
+    with pytest.raises(ConfigError, match="--corpus-windows cuts windows from corpus directories"):
+        pipeline.run_pipeline(jsonl_only, progress=False)
+    assert not (tmp_path / "none").exists()

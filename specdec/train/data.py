@@ -2,6 +2,8 @@
 
 - ``load_prompt_sources``: prompts from corpus directories (prefixes of *train* split documents) or JSON-lines files.
 - ``check_overlap``: no training prompt may equal, or be a prefix of / extend, a held-out prompt.
+- ``corpus_windows``: windows of the corpus sources' train-split documents themselves (a head's extra data: the
+  target's distribution along them is made by its forward at training time, no generation).
 - ``load_or_make_heldout``: the held-out conversations (the target's greedy continuations of held-out prompts).
 - ``generate_continuations``: the target's own continuations (engine), cached as JSON-lines shards; a rerun
   generates only what is missing.
@@ -9,6 +11,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from pathlib import Path
@@ -40,11 +43,8 @@ def load_prompt_sources(sources: Sequence[str], target_dir: Path, n_prompts: int
     for number, source in enumerate(sources):
         path = Path(source)
         tag = f"s{number}"
-        if path.is_dir() and (path / "manifest.json").is_file():
-            from specdec.data.bpe import load_tokenizer
-            from specdec.train.lm import load_corpus_tokens
-
-            docs = load_corpus_tokens(path, load_tokenizer(target_dir), "train", progress=False)
+        if is_corpus(path):
+            docs = train_documents(str(path), str(target_dir))
             picked = sample_prompts(docs, n_prompts, min_prompt, max_prompt, seed + number)
             items = [[int(t) for t in p] for p in picked]
             manifest = load_manifest(path)
@@ -64,11 +64,58 @@ def load_prompt_sources(sources: Sequence[str], target_dir: Path, n_prompts: int
     return prompts, rows
 
 
+def is_corpus(path: Path) -> bool:
+    """A corpus directory built by specdec.data.corpus (else a prompt source is a JSON-lines file)."""
+    return path.is_dir() and (path / "manifest.json").is_file()
+
+
+@functools.lru_cache(maxsize=2)
+def train_documents(corpus_dir: str, target_dir: str) -> tuple[np.ndarray, ...]:
+    """The token ids of each train-split document of a corpus, tokenised once per run (prompts and windows
+    are both cut from them)."""
+    from specdec.data.bpe import load_tokenizer
+    from specdec.train.lm import load_corpus_tokens
+
+    return tuple(load_corpus_tokens(Path(corpus_dir), load_tokenizer(Path(target_dir)), "train", progress=False))
+
+
+def corpus_windows(sources: Sequence[str], target_dir: Path, count: int, length: int, seed: int,
+                   min_length: int = 32) -> tuple[list[dict], list[dict]]:
+    """(at most ``count`` windows ``{"id", "source", "window": ids, "opening": bool}``, one manifest row per
+    corpus source): the train-split documents of the corpus sources cut into consecutive pieces of ``length``
+    tokens (a last piece shorter than ``min_length`` is left out), a seeded random choice of them when there
+    are more.  JSON-lines prompt sources have no documents and give none.
+
+    E.g. length 4: a document of 10 tokens gives [0:4], [4:8] and [8:10] (kept when min_length <= 2); the
+    first is its opening, the only one a held-out prompt can begin (check_overlap is run on those)."""
+    windows: list[dict] = []
+    rows = []
+    for number, source in enumerate(sources):
+        path = Path(source)
+        if not is_corpus(path):
+            continue
+        before = len(windows)
+        for d, doc in enumerate(train_documents(str(path), str(target_dir))):
+            for start in range(0, len(doc), length):
+                piece = doc[start:start + length]
+                if len(piece) >= min_length:
+                    windows.append({"id": f"w{number}-{d:06d}-{start}", "source": str(path), "window": piece,
+                                    "opening": start == 0})
+        rows.append({"source": str(path), "windows": len(windows) - before})
+    if len(windows) > count:
+        picked = np.sort(np.random.default_rng(seed).choice(len(windows), size=count, replace=False))
+        windows = [windows[i] for i in picked]
+    for row in rows:
+        row["picked"] = sum(w["source"] == row["source"] for w in windows)
+        row["tokens"] = sum(len(w["window"]) for w in windows if w["source"] == row["source"])
+    return windows, rows
+
+
 def check_prompt_sources(sources: Sequence[str]) -> None:
     """Refuse, before any work is done, a prompt source that load_prompt_sources cannot read."""
     for source in sources:
         path = Path(source)
-        if not (path.is_file() or (path / "manifest.json").is_file()):
+        if not (is_corpus(path) or path.is_file()):
             raise ConfigError(_not_a_prompt_source(path))
 
 

@@ -40,8 +40,8 @@ from specdec.errors import ConfigError
 from specdec.models.eagle3 import Eagle3Head, default_feature_layers, random_head, save_eagle3_head
 from specdec.models.fused import plain_kernels
 from specdec.train.checkpoint import Checkpoint, check_run_identity
-from specdec.train.data import (add_data_arguments, check_overlap, check_prompt_sources, generate_continuations,
-                                load_or_make_heldout, load_prompt_sources)
+from specdec.train.data import (add_data_arguments, check_overlap, check_prompt_sources, corpus_windows,
+                                generate_continuations, is_corpus, load_or_make_heldout, load_prompt_sources)
 from specdec.train.head_loss import UnrolledHead, head_loss, unrolled_logits
 from specdec.train.head_unroll import Eagle3Unroll
 from specdec.train.lm import autocast, bar_interval, lr_factor, make_optimizer, pick_device
@@ -60,6 +60,7 @@ class HeadRun:
     heldout_limit: int | None = None
     heldout_max_tokens: int = 128
     n_prompts: int = 4000  # per corpus source
+    corpus_windows: int = 0  # at most this many windows of seq_len tokens of the corpus sources, trained on too
     min_prompt: int = 32
     max_prompt: int = 384
     max_new_tokens: int = 128
@@ -88,6 +89,8 @@ class HeadRun:
                     "n_prompts": self.n_prompts, "min_prompt": self.min_prompt, "max_prompt": self.max_prompt,
                     "max_new_tokens": self.max_new_tokens, "draft_vocab": self.draft_vocab, "seed": self.seed,
                     "seq_len": self.seq_len, "ttt_steps": self.ttt_steps}
+        if self.corpus_windows:
+            identity["corpus_windows"] = self.corpus_windows
         if self.kind != "eagle3":
             return identity | {"kind": self.kind}
         if self.feature_layers is not None:
@@ -99,7 +102,9 @@ class HeadRun:
 
 
 def make_records(run: HeadRun, log: TrainLog) -> tuple[list[dict], list[dict], dict, list[dict]]:
-    """(training records {id, prompt, continuation, sampled}, held-out conversations, held-out info, source rows)."""
+    """(training records, held-out conversations, held-out info, source rows).  A record is a continuation
+    {id, prompt, continuation, sampled} or, with run.corpus_windows, a corpus window {id, source, window,
+    opening} (train/data.py corpus_windows)."""
     from specdec.llm import LLM
 
     engine: list = []
@@ -122,7 +127,26 @@ def make_records(run: HeadRun, log: TrainLog) -> tuple[list[dict], list[dict], d
         llm_factory, sampled, out / "continuations-t1", run.max_new_tokens, run.gen_batch_size, log,
         temperature=1.0, seed=run.seed)]
     engine.clear()
+    if run.corpus_windows:
+        records += windows_of(run, heldout, log)
     return records, heldout, heldout_info, sources
+
+
+def windows_of(run: HeadRun, heldout: list[dict], log: TrainLog) -> list[dict]:
+    """The run's corpus windows, those whose document opening overlaps the held-out set left out or refused as
+    prompts are (check_overlap)."""
+    windows, rows = corpus_windows(run.sources, Path(run.target), run.corpus_windows, run.seq_len, run.seed)
+    openings = [{"id": w["id"], "prompt": w["window"].tolist()} for w in windows if w["opening"]]
+    clashing = {p["id"] for p in openings} - {p["id"] for p in check_overlap(openings, heldout, run.drop_overlap)}
+    log("corpus-windows", sources=rows, dropped=len(clashing))
+    return [w for w in windows if w["id"] not in clashing]
+
+
+def sequence_of(record: dict) -> np.ndarray:
+    """The token row a record trains on: a window, or a prompt followed by the target's continuation."""
+    if "window" in record:
+        return np.asarray(record["window"], np.int64)
+    return np.asarray(record["prompt"] + record["continuation"], np.int64)
 
 
 def draft_vocabulary(sequences: Sequence[np.ndarray], vocab_size: int, size: int | None) -> torch.Tensor:
@@ -301,7 +325,7 @@ def train(run: HeadRun, records: list[dict], heldout: list[dict], log: TrainLog,
     """The training loop (resumable); returns {steps, tokens, seconds, acceptance before/after, exports}."""
     device = pick_device(run.device)
     out = Path(run.out)
-    sequences = [np.asarray(r["prompt"] + r["continuation"], np.int64) for r in records if r["continuation"]]
+    sequences = [sequence_of(r) for r in records if r.get("continuation") or "window" in r]
     model = mtp_model(run, device) if run.kind == "mtp" else eagle3_model(run, sequences, device)
     head, unroll, signals, layers = model.module, model.unroll, model.signals, model.feature_layers
     draft_ids = unroll.target_ids()
@@ -385,8 +409,9 @@ def export_head(head: Eagle3Head, out_dir: Path, fmt: str) -> dict:
 
 
 def write_manifest(run: HeadRun, sources: list[dict], heldout_info: dict, records: list[dict], summary: dict) -> Path:
-    greedy = [r for r in records if not r["sampled"]]
-    sampled = [r for r in records if r["sampled"]]
+    greedy = [r for r in records if r.get("sampled") is False]
+    sampled = [r for r in records if r.get("sampled")]
+    windows = [r for r in records if "window" in r]
     lines = [
         f"# DATA_MANIFEST ({'MTP' if run.kind == 'mtp' else 'EAGLE-3'} head)", "",
         f"Written by `specdec train head` (specdec.train.head) for the target `{run.target}`.", "",
@@ -396,6 +421,10 @@ def write_manifest(run: HeadRun, sources: list[dict], heldout_info: dict, record
         f"Continuations by the specdec engine (at most {run.max_new_tokens} tokens): {len(greedy)} greedy "
         f"({sum(len(r['continuation']) for r in greedy)} tokens), {len(sampled)} sampled at temperature 1 with a "
         f"seed per prompt from {run.seed} ({sum(len(r['continuation']) for r in sampled)} tokens).", "",
+        *([f"Corpus windows: {len(windows)} pieces of at most {run.seq_len} tokens "
+           f"({sum(len(r['window']) for r in windows)} tokens) of the train-split documents of "
+           f"{', '.join(sorted({r['source'] for r in windows}))} (a seeded choice, seed {run.seed}), the target's "
+           "distribution along them made by its forward while training.", ""] if windows else []),
         "## Held out (measured on, never trained on)", "",
         f"- {heldout_info['source']} (sha256 {heldout_info['sha256']}): {heldout_info['conversations']} "
         f"conversations, {heldout_info['tokens']} continuation tokens; {heldout_info['how']}",
@@ -438,6 +467,10 @@ def check_kind(run: HeadRun) -> None:
 def run_pipeline(run: HeadRun, progress: bool = True) -> dict:
     check_kind(run)
     check_prompt_sources(run.sources)
+    if run.corpus_windows and not any(is_corpus(Path(s)) for s in run.sources):
+        raise ConfigError("--corpus-windows cuts windows from corpus directories, and no --prompts source is one "
+                          "(JSON-lines prompt files have no documents): add a corpus built by `python -m "
+                          "specdec.data.corpus`, or leave --corpus-windows out")
     if run.kind == "eagle3":  # before any continuation is made
         from specdec.models.config import ModelConfig
 
@@ -478,6 +511,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="eagle3: an EAGLE-3 head (exports in its published layout); mtp: a Qwen3.5 target's own "
                              "MTP head, from its mtp.* weights or random (exported into a copy of the target)")
     add_data_arguments(parser, 4000, "prompts per corpus source (half greedy, half sampled at temperature 1)")
+    parser.add_argument("--corpus-windows", type=int, default=0,
+                        help="also train on up to this many windows of --seq-len tokens of the corpus sources' train "
+                             "documents themselves (labels: the target's distribution from its forward, so no "
+                             "generation; default 0: continuations only)")
     parser.add_argument("--draft-vocab", type=int, default=None,
                         help="draft vocabulary size (default: the target's; eagle3 only)")
     parser.add_argument("--ttt-steps", type=int, default=7, help="training-time test: unrolled steps (>= 1)")
@@ -502,6 +539,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.ttt_steps < 1 or args.max_steps < 1:
         parser.error("--ttt-steps and --max-steps must be at least 1")
+    if args.corpus_windows < 0:
+        parser.error("--corpus-windows must be 0 or more")
     if args.draft_vocab is not None and args.draft_vocab < 1:
         parser.error("--draft-vocab must be at least 1 (a larger size than the target's vocabulary takes all of it)")
     if args.kind == "mtp" and args.draft_vocab is not None:
@@ -509,7 +548,8 @@ def main(argv: list[str] | None = None) -> int:
     formats = args.formats or (["bf16"] if args.kind == "mtp" else list(FORMATS))
     target = model_dir_arg(parser, "--target", args.target)
     run = HeadRun(target, args.prompts, args.out, heldout=args.heldout, heldout_limit=args.heldout_limit,
-                  heldout_max_tokens=args.max_new_tokens, n_prompts=args.n_prompts, min_prompt=args.min_prompt,
+                  heldout_max_tokens=args.max_new_tokens, n_prompts=args.n_prompts, corpus_windows=args.corpus_windows,
+                  min_prompt=args.min_prompt,
                   max_prompt=args.max_prompt,
                   max_new_tokens=args.max_new_tokens, gen_batch_size=args.gen_batch_size,
                   draft_vocab=args.draft_vocab, ttt_steps=args.ttt_steps, seq_len=args.seq_len,
