@@ -4,7 +4,9 @@ the verify-step cost model, and transformers' static-cache generate on the same 
 and 8 (compiled graphs; overlapped steps, whose batch-1 step time, floor share and host gap are recorded as
 step_ms_bs1_overlap, floor_fraction_bs1_overlap and host_gap_ms_bs1_overlap; steps without overlap).  The main
 table runs the engine's defaults, overlapped steps among them since they became the default with CUDA graphs,
-so the no-overlap variant keeps the comparison.
+so the no-overlap variant keeps the comparison.  host_gap_ms_bs1 is the device time between graph replays per
+batch-1 step (CUDA events around each replay, no profiler running); idle_ms_bs1, a step's wall time less its
+kernels' time, holds the kernel boundaries inside the replays too (idle_split parts it, from the profile).
 
 GPU run:      python3 bench/decode.py --out bench/results/decode-h200.json
 CPU dry run:  python3 bench/decode.py --tiny --out /tmp/decode.json
@@ -166,6 +168,54 @@ def kernel_profile(engine: Engine, steps: int = 5, top: int = 15) -> dict:
                     for e in rows]}
 
 
+class ReplayMarks:
+    """While active, CUDA events recorded on the stream just before and just after every CUDA-graph replay (by
+    wrapping torch.cuda.CUDAGraph.replay), in launch order: [(start, end)].  The device time from one replay's
+    end to the next one's start is the time between graph replays, where the device waits for the host or runs
+    the few kernels outside the graphs; the kernel boundaries inside a replay are not in it."""
+
+    def __init__(self):
+        self.marks: list[tuple] = []
+
+    def __enter__(self):
+        self.original = torch.cuda.CUDAGraph.replay
+        marks, original = self.marks, self.original
+
+        def replay(graph):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            original(graph)
+            end.record()
+            marks.append((start, end))
+
+        torch.cuda.CUDAGraph.replay = replay
+        return self
+
+    def __exit__(self, *exc):
+        torch.cuda.CUDAGraph.replay = self.original
+
+
+def between_replays_ms(marks: list[tuple]) -> float:
+    """The device time between consecutive graph replays, summed (ms): marks [(start, end)] events (anything with
+    elapsed_time(later) in ms), in launch order.  Example: replays at [0, 6.0] and [6.1, 6.3] ms -> 0.1."""
+    return sum(max(0.0, end.elapsed_time(following)) for (_, end), (following, _) in zip(marks, marks[1:]))
+
+
+def replay_gap_ms(engine: Engine, steps: int) -> dict:
+    """Per decode step, the device time between graph replays (issue 21's host time between replays) over
+    `steps` steady steps, and the replays a step makes; without a profiler, whose start and stop add gaps."""
+    for _ in range(2):
+        engine.step()
+    sync(engine.device)
+    with ReplayMarks() as marks:
+        for _ in range(steps):
+            engine.step()
+        sync(engine.device)
+    per_step = len(marks.marks) / steps  # the window's n replays have n - 1 gaps between them
+    mean_gap = between_replays_ms(marks.marks) / max(1, len(marks.marks) - 1)
+    return {"between_replays_ms": mean_gap * per_step, "replays_per_step": per_step}
+
+
 def idle_gaps(spans: list[tuple[float, float]], long_us: float = 20.0) -> dict:
     """Where the device idles between kernels, from their (start, end) times in us: gaps shorter than long_us
     (between the kernels of one graph replay: the cost of a kernel boundary) and longer ones (the device waiting
@@ -248,6 +298,8 @@ def variant_rows(model, args, vocab: int, gen, device, save=lambda rows: None) -
                     rows[-1]["graph_vs_eager_max_abs_diff"] = check_graph_replay(engine)
                 if batch == 1 and device.type == "cuda":
                     rows[-1]["profile"] = kernel_profile(engine)
+                    if engine.runner.static is not None and engine.runner.static.capture:
+                        rows[-1]["replays"] = replay_gap_ms(engine, args.steps)
                     engine.drain()
             except Exception as exc:
                 rows.append({"variant": name, "batch": batch, "error": f"{type(exc).__name__}: {exc}"[:500]})
@@ -277,14 +329,14 @@ def idle_split(profile: dict) -> dict:
 
 def overlap_figures(variants: list[dict], floor_ms: float) -> dict:
     """Issue 21's batch-1 figures with overlapped steps, from the overlap-steps variant's batch-1 row: its step
-    time, share of the memory floor and (with a kernel profile, on a GPU) the host gap left between steps."""
+    time, share of the memory floor and (with graphs, on a GPU) the device time left between graph replays."""
     row = next((r for r in variants if r.get("variant") == "overlap-steps" and r["batch"] == 1 and "step_ms" in r),
                None)
     if row is None:
         return {}
     out = {"step_ms_bs1_overlap": row["step_ms"], "floor_fraction_bs1_overlap": floor_ms / row["step_ms"]}
-    if "profile" in row:
-        out["host_gap_ms_bs1_overlap"] = max(0.0, row["step_ms"] - row["profile"]["gpu_us_per_step"] / 1e3)
+    if "replays" in row:
+        out["host_gap_ms_bs1_overlap"] = row["replays"]["between_replays_ms"]
     return out
 
 
@@ -300,6 +352,8 @@ def table_row(model, args, batch: int, context: int, first_context: int, vocab: 
         row["graph_vs_eager_max_abs_diff"] = check_graph_replay(engine)
     if batch == 1 and context == first_context and device.type == "cuda":
         row["profile"] = kernel_profile(engine)
+        if engine.runner.static is not None and engine.runner.static.capture:
+            row["replays"] = replay_gap_ms(engine, args.steps)
     if context == first_context and batch in (1, 8, 32) and args.max_k > 0:
         one = verify_cost_ms(engine, 0, vocab)
         for k in range(args.max_k + 1):
@@ -365,9 +419,11 @@ def main(argv=None) -> int:
     results["verify_cost"] = verify
     bs1 = next(r for r in table if r["batch"] == 1 and r["context"] == contexts[0] and "step_ms" in r)
     results["step_ms_bs1"] = bs1["step_ms"]
-    if "profile" in bs1:  # the share of a step the GPU waits for the host: its wall time less its kernels' time
-        results["host_gap_ms_bs1"] = max(0.0, bs1["step_ms"] - bs1["profile"]["gpu_us_per_step"] / 1e3)
+    if "profile" in bs1:  # a step's idle device time: its wall time less its kernels' time
+        results["idle_ms_bs1"] = max(0.0, bs1["step_ms"] - bs1["profile"]["gpu_us_per_step"] / 1e3)
         results.update(idle_split(bs1["profile"]))
+    if "replays" in bs1:  # of it, the time between graph replays (the rest: kernel boundaries inside them)
+        results["host_gap_ms_bs1"] = bs1["replays"]["between_replays_ms"]
     results["attention_backend"] = args.attention_backend or "sdpa"
     results.update(commit=results["env"].get("commit"), date=results["env"].get("date"))
     for b in (1, 32):  # issue 21's figures: a verify step of 7 drafts against a plain step

@@ -25,12 +25,49 @@ def test_the_tiny_dry_run_records_the_decode_figures_and_the_overlap_variant(tmp
     assert {row["batch"] for row in record["decode"]} == {1, 2}
 
 
-def test_overlap_figures_need_the_variant_and_take_the_host_gap_from_its_profile():
+def test_overlap_figures_need_the_variant_and_take_the_host_gap_from_its_replays():
     assert decode.overlap_figures([], 4.0) == {}
-    rows = [{"variant": "overlap-steps", "batch": 1, "step_ms": 5.0, "profile": {"gpu_us_per_step": 4900.0}}]
+    rows = [{"variant": "overlap-steps", "batch": 1, "step_ms": 5.0, "profile": {"gpu_us_per_step": 4900.0},
+             "replays": {"between_replays_ms": 0.03, "replays_per_step": 2.0}}]
     figures = decode.overlap_figures(rows, 4.0)
     assert figures["step_ms_bs1_overlap"] == 5.0 and figures["floor_fraction_bs1_overlap"] == 0.8
-    assert abs(figures["host_gap_ms_bs1_overlap"] - 0.1) < 1e-9
+    assert figures["host_gap_ms_bs1_overlap"] == 0.03  # not the 0.1 ms of idle time the profile leaves
+    without_graphs = [{k: v for k, v in rows[0].items() if k != "replays"}]
+    assert "host_gap_ms_bs1_overlap" not in decode.overlap_figures(without_graphs, 4.0)
+
+
+class _Mark:
+    """A stand-in for a timed CUDA event: recorded at a device time t (ms)."""
+
+    def __init__(self, t: float = 0.0):
+        self.t = t
+
+    def record(self):
+        pass
+
+    def elapsed_time(self, later) -> float:
+        return later.t - self.t
+
+
+def test_the_time_between_replays_sums_the_gaps_from_each_end_to_the_next_start():
+    """The docstring's example, back-to-back replays (no gap) and a single replay (none to measure)."""
+    assert abs(decode.between_replays_ms([(_Mark(0.0), _Mark(6.0)), (_Mark(6.1), _Mark(6.3))]) - 0.1) < 1e-9
+    assert decode.between_replays_ms([(_Mark(0), _Mark(2)), (_Mark(2), _Mark(5)), (_Mark(5.5), _Mark(6))]) == 0.5
+    assert decode.between_replays_ms([(_Mark(0), _Mark(2))]) == 0.0
+
+
+def test_replay_marks_wrap_every_graph_replay_with_events_and_restore_it(monkeypatch):
+    replayed = []
+    monkeypatch.setattr(torch.cuda.CUDAGraph, "replay", lambda graph: replayed.append(graph))
+    monkeypatch.setattr(torch.cuda, "Event", lambda enable_timing: _Mark())
+    original = torch.cuda.CUDAGraph.replay
+    graph = object.__new__(torch.cuda.CUDAGraph)  # never captured: the wrapped replay is the stand-in above
+    with decode.ReplayMarks() as marks:
+        torch.cuda.CUDAGraph.replay(graph)
+        graph.replay()
+    assert replayed == [graph, graph] and len(marks.marks) == 2
+    assert all(isinstance(e, _Mark) for pair in marks.marks for e in pair)
+    assert torch.cuda.CUDAGraph.replay is original
 
 
 def test_idle_gaps_split_kernel_boundaries_from_host_waits():
