@@ -428,7 +428,8 @@ def write_manifest(run: HeadRun, sources: list[dict], heldout_info: dict, record
         "## Held out (measured on, never trained on)", "",
         f"- {heldout_info['source']} (sha256 {heldout_info['sha256']}): {heldout_info['conversations']} "
         f"conversations, {heldout_info['tokens']} continuation tokens; {heldout_info['how']}",
-        "- Overlap check: no training prompt equals, is a prefix of or extends a held-out prompt.", "",
+        "- Overlap check: no training prompt (or corpus window opening a document) equals, is a prefix of or "
+        "extends a held-out prompt.", "",
         "## Head", "",
         f"- {head_description(run, summary)}, training-time test of "
         f"{run.ttt_steps} steps (decay {run.decay}), {summary['steps']} steps, {summary['tokens']} tokens, "
@@ -549,13 +550,11 @@ def main(argv: list[str] | None = None) -> int:
     target = model_dir_arg(parser, "--target", args.target)
     run = HeadRun(target, args.prompts, args.out, heldout=args.heldout, heldout_limit=args.heldout_limit,
                   heldout_max_tokens=args.max_new_tokens, n_prompts=args.n_prompts, corpus_windows=args.corpus_windows,
-                  min_prompt=args.min_prompt,
-                  max_prompt=args.max_prompt,
-                  max_new_tokens=args.max_new_tokens, gen_batch_size=args.gen_batch_size,
-                  draft_vocab=args.draft_vocab, ttt_steps=args.ttt_steps, seq_len=args.seq_len,
-                  batch_size=args.batch_size, lr=args.lr, max_steps=args.max_steps, max_minutes=args.max_minutes,
-                  checkpoint_every=args.checkpoint_every, seed=args.seed, device=args.device,
-                  formats=tuple(formats), drop_overlap=args.drop_overlap, kind=args.kind,
+                  min_prompt=args.min_prompt, max_prompt=args.max_prompt, max_new_tokens=args.max_new_tokens,
+                  gen_batch_size=args.gen_batch_size, draft_vocab=args.draft_vocab, ttt_steps=args.ttt_steps,
+                  seq_len=args.seq_len, batch_size=args.batch_size, lr=args.lr, max_steps=args.max_steps,
+                  max_minutes=args.max_minutes, checkpoint_every=args.checkpoint_every, seed=args.seed,
+                  device=args.device, formats=tuple(formats), drop_overlap=args.drop_overlap, kind=args.kind,
                   start=args.start, feature_layers=args.feature_layers)
     result = run_pipeline(run, progress=not args.no_progress)
     print(json.dumps({k: result[k] for k in ("acceptance_before", "acceptance_after", "steps", "tokens", "seconds")}))
