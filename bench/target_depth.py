@@ -33,9 +33,10 @@ from specdec.train.distill import load_model  # noqa: E402
 
 
 def continuation_rows(conv: dict) -> slice:
-    """The positions whose next token is a continuation token (the prompt's last one predicts the first)."""
+    """The positions whose next token is a continuation token: the prompt's last one predicts the first, the
+    continuation's second-to-last its last (bench/head_overlap.py's head rows predict the same tokens)."""
     first = len(conv["prompt"]) - 1
-    return slice(first, first + len(conv["continuation"]) - 1)
+    return slice(first, first + len(conv["continuation"]))
 
 
 @torch.no_grad()
