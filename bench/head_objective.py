@@ -66,23 +66,47 @@ def step_loss(p: torch.Tensor, logits: torch.Tensor, mix: float = 0.0) -> torch.
     return loss - mix * (p * log_q).sum(-1) if mix else loss
 
 
+class HeadTraining:
+    """A head loaded to be trained on further on `sequences` (CPU, float32): each step takes the target's
+    signals for a batch and one optimizer step on an objective_loss; betas and clip are AdamW's and the gradient
+    norm's (None: not clipped)."""
+
+    def __init__(self, head_dir: Path, target_dir: Path, sequences, seq_len: int, batch: int, lr: float,
+                 betas: tuple[float, float] = (0.9, 0.999), clip: float | None = None):
+        target = load_model(target_dir, "cpu", torch.float32)
+        self.head = load_eagle3_head(head_dir, target, torch.device("cpu"), torch.float32).requires_grad_(True)
+        self.head.train()
+        self.signals = TargetSignals(str(target_dir), torch.device("cpu"),
+                                     feature_layers(self.head.config, target.config.num_hidden_layers))
+        self.unroll, self.batcher = Eagle3Unroll(self.head), SequenceBatcher(sequences, seq_len, batch, seed=0)
+        self.opt = torch.optim.AdamW([p for p in self.head.parameters() if p.requires_grad], lr=lr,
+                                     weight_decay=0.0, betas=betas)
+        self.clip = clip
+
+    def step(self, objective: str, ttt_steps: int) -> None:
+        ids, lengths, _ = self.batcher.next(torch.device("cpu"))
+        embed, features, target_logprobs = self.signals(ids, self.head.target_ids())
+        loss = objective_loss(objective, self.unroll, embed, features, target_logprobs, lengths, ttt_steps)
+        self.opt.zero_grad()
+        loss.backward()
+        if self.clip is not None:
+            torch.nn.utils.clip_grad_norm_(self.head.parameters(), self.clip)
+        self.opt.step()
+
+    def save(self, out_dir: Path) -> None:
+        """The head as it is now, in the published layout (training goes on after)."""
+        save_eagle3_head(self.head.eval(), out_dir)
+        self.head.train()
+
+
 def train_on(head_dir: Path, target_dir: Path, objective: str, sequences, steps: int, lr: float, batch: int,
              seq_len: int, ttt_steps: int, out_dir: Path) -> float:
     """Train the head on for `steps` steps (the same batches for every objective); save it to out_dir; seconds."""
-    target = load_model(target_dir, "cpu", torch.float32)
-    head = load_eagle3_head(head_dir, target, torch.device("cpu"), torch.float32).requires_grad_(True).train()
-    signals = TargetSignals(str(target_dir), torch.device("cpu"), feature_layers(head.config, target.config.num_hidden_layers))
-    unroll, batcher = Eagle3Unroll(head), SequenceBatcher(sequences, seq_len, batch, seed=0)
-    opt = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=lr, weight_decay=0.0)
+    training = HeadTraining(head_dir, target_dir, sequences, seq_len, batch, lr)
     started = time.perf_counter()
     for _ in range(steps):
-        ids, lengths, _ = batcher.next(torch.device("cpu"))
-        embed, features, target_logprobs = signals(ids, head.target_ids())
-        loss = objective_loss(objective, unroll, embed, features, target_logprobs, lengths, ttt_steps)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    save_eagle3_head(head.eval(), out_dir)
+        training.step(objective, ttt_steps)
+    training.save(out_dir)
     return time.perf_counter() - started
 
 

@@ -27,14 +27,10 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402
 
 from bench.common import environment, write_json  # noqa: E402
-from bench.head_objective import continuations, objective_loss  # noqa: E402
+from bench.head_objective import HeadTraining, continuations  # noqa: E402
 from bench.head_overlap import contexts, overlap  # noqa: E402
 from specdec.assets import resolve_model  # noqa: E402
-from specdec.models.eagle3 import feature_layers, load_eagle3_head, save_eagle3_head  # noqa: E402
-from specdec.models.loader import load_model  # noqa: E402
 from specdec.train.data import corpus_windows  # noqa: E402
-from specdec.train.head import SequenceBatcher, TargetSignals  # noqa: E402
-from specdec.train.head_unroll import Eagle3Unroll  # noqa: E402
 
 
 def arm_sequences(arm: str, args, target_dir: Path) -> list:
@@ -46,27 +42,14 @@ def arm_sequences(arm: str, args, target_dir: Path) -> list:
 
 def train_arm(arm: str, args, target_dir: Path, head_dir: Path, convs: list) -> list[dict]:
     """[{step, overlap [3], seconds}] every args.every steps of training the head on the arm's sequences."""
-    sequences = arm_sequences(arm, args, target_dir)
-    target = load_model(target_dir, "cpu", torch.float32)
-    head = load_eagle3_head(head_dir, target, torch.device("cpu"), torch.float32).requires_grad_(True).train()
-    signals = TargetSignals(str(target_dir), torch.device("cpu"),
-                            feature_layers(head.config, target.config.num_hidden_layers))
-    unroll, batcher = Eagle3Unroll(head), SequenceBatcher(sequences, args.seq_len, args.batch, seed=0)
-    opt = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=args.lr, weight_decay=0.0,
-                            betas=(0.9, 0.95))
+    training = HeadTraining(head_dir, target_dir, arm_sequences(arm, args, target_dir), args.seq_len, args.batch,
+                            args.lr, betas=(0.9, 0.95), clip=1.0)
     rows, started = [], time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         for step in range(1, args.steps + 1):
-            ids, lengths, _ = batcher.next(torch.device("cpu"))
-            embed, features, target_logprobs = signals(ids, head.target_ids())
-            loss = objective_loss("kl", unroll, embed, features, target_logprobs, lengths, args.ttt_steps)
-            opt.zero_grad()
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
-            opt.step()
+            training.step("kl", args.ttt_steps)
             if step % args.every == 0:
-                save_eagle3_head(head.eval(), Path(tmp) / "head")
-                head.train()
+                training.save(Path(tmp) / "head")
                 measured = [round(x[0], 4) for x in overlap(Path(tmp) / "head", target_dir, convs, [1.0], 3)]
                 rows.append({"step": step, "overlap": measured, "seconds": round(time.perf_counter() - started)})
                 print(arm, rows[-1], flush=True)
