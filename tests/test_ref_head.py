@@ -32,7 +32,7 @@ def test_ref_head_greedy_output_equals_plain_and_drafts_are_accepted():
     outs = spec.generate(prompts, params)
     assert [o.token_ids for o in outs] == plain
     drafted, accepted = sum(o.num_drafted for o in outs), sum(o.num_accepted for o in outs)
-    assert accepted > 0.25 * drafted  # 0.31 here (k = 4); a random head: ~0
+    assert accepted > 0.25 * drafted  # 0.36 here (k = 4); a random head: ~0
 
 
 @pytest.fixture(scope="module")
