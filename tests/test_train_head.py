@@ -258,3 +258,14 @@ def test_a_head_trains_on_corpus_windows_beside_the_continuations(tiny, tmp_path
     with pytest.raises(ConfigError, match="--corpus-windows cuts windows from corpus directories"):
         pipeline.run_pipeline(jsonl_only, progress=False)
     assert not (tmp_path / "none").exists()
+
+
+def test_the_command_defaults_to_the_bundled_heads_recipe_for_eagle3_and_not_for_mtp(tmp_path):
+    corpus = _write_corpus(tmp_path / "corpus", ["a" * 10], ["b" * 10])
+    jsonl = _write_jsonl(tmp_path / "p.jsonl", [{"id": "0", "prompt": "abc"}])
+    both, prompts_only = [str(jsonl), str(corpus)], [str(jsonl)]
+    assert pipeline.defaults_for_kind("eagle3", both, None, None) == (pipeline.EAGLE3_LR, pipeline.EAGLE3_WINDOWS)
+    assert pipeline.defaults_for_kind("eagle3", prompts_only, None, None) == (pipeline.EAGLE3_LR, 0)  # no documents
+    assert pipeline.defaults_for_kind("mtp", both, None, None) == (1e-3, 0)
+    assert pipeline.defaults_for_kind("eagle3", both, 5e-4, 0) == (5e-4, 0)  # what the command line gives stays
+    assert pipeline.defaults_for_kind("mtp", both, 3e-3, 7) == (3e-3, 7)

@@ -49,6 +49,11 @@ from specdec.train.log import TrainLog
 
 FORMATS = ("bf16", "fp8")
 KINDS = ("eagle3", "mtp")
+# The command's defaults for an EAGLE-3 head: the recipe of the bundled ref-head (docs/EAGLE3.md), measured
+# against continuations alone on one H100 (docs/BENCHMARKS.md, fifteenth session).  An MTP head keeps lr 1e-3
+# and no windows (bench/gpu_hybrid.sh's recipe).
+EAGLE3_LR = 2e-3
+EAGLE3_WINDOWS = 100_000  # at most this many corpus windows (51M tokens at seq_len 512) when a source is a corpus
 
 
 @dataclasses.dataclass
@@ -491,6 +496,18 @@ def run_pipeline(run: HeadRun, progress: bool = True) -> dict:
     return result
 
 
+def defaults_for_kind(kind: str, sources: Sequence[str], lr: float | None,
+                      windows: int | None) -> tuple[float, int]:
+    """(lr, corpus windows) where the command line left them out: an EAGLE-3 head's recipe (EAGLE3_LR, and
+    EAGLE3_WINDOWS when a prompt source is a corpus, none otherwise), an MTP head's 1e-3 and none."""
+    eagle3 = kind == "eagle3"
+    if lr is None:
+        lr = EAGLE3_LR if eagle3 else 1e-3
+    if windows is None:
+        windows = EAGLE3_WINDOWS if eagle3 and any(is_corpus(Path(s)) for s in sources) else 0
+    return lr, windows
+
+
 def layer_ids(text: str) -> tuple[int, ...]:
     """'2,4,7' -> (2, 4, 7): an EAGLE-3 head's three target layers (low, middle, high), for argparse."""
     try:
@@ -512,16 +529,18 @@ def main(argv: list[str] | None = None) -> int:
                         help="eagle3: an EAGLE-3 head (exports in its published layout); mtp: a Qwen3.5 target's own "
                              "MTP head, from its mtp.* weights or random (exported into a copy of the target)")
     add_data_arguments(parser, 4000, "prompts per corpus source (half greedy, half sampled at temperature 1)")
-    parser.add_argument("--corpus-windows", type=int, default=0,
+    parser.add_argument("--corpus-windows", type=int, default=None,
                         help="also train on up to this many windows of --seq-len tokens of the corpus sources' train "
                              "documents themselves (labels: the target's distribution from its forward, so no "
-                             "generation; default 0: continuations only)")
+                             f"generation; default: {EAGLE3_WINDOWS} for eagle3 when a source is a corpus, else 0; "
+                             "0: continuations only)")
     parser.add_argument("--draft-vocab", type=int, default=None,
                         help="draft vocabulary size (default: the target's; eagle3 only)")
     parser.add_argument("--ttt-steps", type=int, default=7, help="training-time test: unrolled steps (>= 1)")
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--lr", type=float, default=None, help=f"peak learning rate (default: {EAGLE3_LR} for "
+                        "eagle3, 1e-3 for mtp)")
     parser.add_argument("--max-steps", type=int, default=1000)
     parser.add_argument("--max-minutes", type=float, default=None, help="stop training after this long")
     parser.add_argument("--checkpoint-every", type=int, default=200)
@@ -540,8 +559,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.ttt_steps < 1 or args.max_steps < 1:
         parser.error("--ttt-steps and --max-steps must be at least 1")
-    if args.corpus_windows < 0:
+    if args.corpus_windows is not None and args.corpus_windows < 0:
         parser.error("--corpus-windows must be 0 or more")
+    if args.lr is not None and args.lr <= 0:
+        parser.error("--lr must be above 0")
+    lr, windows = defaults_for_kind(args.kind, args.prompts, args.lr, args.corpus_windows)
     if args.draft_vocab is not None and args.draft_vocab < 1:
         parser.error("--draft-vocab must be at least 1 (a larger size than the target's vocabulary takes all of it)")
     if args.kind == "mtp" and args.draft_vocab is not None:
@@ -549,10 +571,10 @@ def main(argv: list[str] | None = None) -> int:
     formats = args.formats or (["bf16"] if args.kind == "mtp" else list(FORMATS))
     target = model_dir_arg(parser, "--target", args.target)
     run = HeadRun(target, args.prompts, args.out, heldout=args.heldout, heldout_limit=args.heldout_limit,
-                  heldout_max_tokens=args.max_new_tokens, n_prompts=args.n_prompts, corpus_windows=args.corpus_windows,
+                  heldout_max_tokens=args.max_new_tokens, n_prompts=args.n_prompts, corpus_windows=windows,
                   min_prompt=args.min_prompt, max_prompt=args.max_prompt, max_new_tokens=args.max_new_tokens,
                   gen_batch_size=args.gen_batch_size, draft_vocab=args.draft_vocab, ttt_steps=args.ttt_steps,
-                  seq_len=args.seq_len, batch_size=args.batch_size, lr=args.lr, max_steps=args.max_steps,
+                  seq_len=args.seq_len, batch_size=args.batch_size, lr=lr, max_steps=args.max_steps,
                   max_minutes=args.max_minutes, checkpoint_every=args.checkpoint_every, seed=args.seed,
                   device=args.device, formats=tuple(formats), drop_overlap=args.drop_overlap, kind=args.kind,
                   start=args.start, feature_layers=args.feature_layers)
