@@ -25,7 +25,7 @@ kernel = kernel_module("specdec.kernels.paged_attention")  # None outside the ch
 @parent_only
 def test_kernel_cases_under_the_interpreter():
     """This file's kernel cases, in a child process started with TRITON_INTERPRET=1."""
-    run_child(__file__, min_passed=11, parent_tests=3)  # this test and the two sm_90 compiles
+    run_child(__file__, min_passed=14, parent_tests=4)  # this test and the three sm_90 compiles
 
 
 def make_case(query_lens, context_lens, block_size, kv_heads=2, group=2, head_dim=32, dtype=torch.float32,
@@ -111,9 +111,29 @@ def test_contexts_far_shorter_than_the_graphs_share_every_split():
                                atol=2e-5, rtol=1e-4)
 
 
+@child_only
+@pytest.mark.parametrize("partition_keys,max_rows", [(64, 128), (32, 16), (None, 128)])
+def test_the_last_partition_merges_in_place_and_leaves_its_counter_at_zero(partition_keys, max_rows):
+    """MERGE_IN_PLACE: the partition that arrives last merges its (sequence, KV head, row chunk)'s partials
+    in place of the merge kernel: the single-pass result, every arrival counter back at zero, so the next
+    launch (a graph's next replay) merges right again."""
+    q, k_cache, v_cache, batch = make_case([1, 17, 4], [250, 140, 9], 16, kv_heads=2, group=4, seed=11)
+    batch.max_context_len = 2048  # a graph's bucket: several splits even with the default plan
+    expected = reference(q, k_cache, v_cache, batch, 0.25)
+    for _ in range(2):
+        out = run_kernel(q, k_cache, v_cache, batch, 0.25, partition_keys=partition_keys, max_rows=max_rows,
+                         merge_in_place=True)
+        torch.testing.assert_close(out, expected, atol=2e-5, rtol=1e-4)
+        counters = kernel.arrival_counters(q.device, 1)
+        assert counters.numel() >= kernel.MIN_COUNTERS and not counters.any()
+    assert kernel.split_plan(3, 2, 2048, q.device, 64, partition_keys)[0] > 1
+    torch.testing.assert_close(run_kernel(q, k_cache, v_cache, batch, 0.25, partition_keys=partition_keys,
+                                          max_rows=max_rows, merge_in_place=False), out)  # the two-kernel path
+
+
 @parent_only
-@pytest.mark.parametrize("split,tree", [(True, False), (False, True)])
-def test_the_kernels_compile_for_hopper(split, tree):
+@pytest.mark.parametrize("split,tree,in_place", [(True, False, False), (False, True, False), (True, False, True)])
+def test_the_kernels_compile_for_hopper(split, tree, in_place):
     """The interpreter runs the kernels as Python and so accepts code Triton's compiler refuses (a partition
     size whose type changes in a branch did, 7410787): compile both to PTX for sm_90 (no GPU needed) in bf16 at
     the Qwen3-8B shape, with the engine's argument types (int64 context lengths and block tables)."""
@@ -130,14 +150,16 @@ def test_the_kernels_compile_for_hopper(split, tree):
         return triton.compile(source, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
 
     pointers = dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", out_ptr="*bf16", part_m_ptr="*fp32",
-                    part_l_ptr="*fp32", part_acc_ptr="*fp32", query_start_ptr="*i64", context_lens_ptr="*i64",
-                    block_tables_ptr="*i64", tree_ptr="*i8")
+                    part_l_ptr="*fp32", part_acc_ptr="*fp32", counter_ptr="*i32", query_start_ptr="*i64",
+                    context_lens_ptr="*i64", block_tables_ptr="*i64", tree_ptr="*i8")
     ints = ("stride_qt", "stride_qh", "stride_ks", "stride_kh", "stride_vs", "stride_vh", "stride_ot", "stride_oh",
             "stride_bt", "tree_sb", "tree_st", "tree_si", "tree_sj", "partition_keys", "num_splits", "num_chunks")
     constants = dict(BLOCK_SIZE=16, GROUP=4, ROWS=16, HEAD_DIM=128, HEAD_PAD=128, BLOCK_N=64, HAS_TREE=tree,
-                     SPLIT=split, PRECISION="tf32", DOT_TYPE=tl.bfloat16, INTERPRET=False)
+                     SPLIT=split, MERGE_IN_PLACE=in_place, PRECISION="tf32", DOT_TYPE=tl.bfloat16, INTERPRET=False)
     code = ptx(compiled._partition_kernel, pointers, {"qk_scale": "fp32", **{n: "i32" for n in ints}}, constants)
     assert ".entry _partition_kernel" in code and "st.global" in code
+    # the arrival counter: an acquire-release add, the reset, and the other partitions' partials read uncached
+    assert ("atom.global.gpu.acq_rel.add" in code and "ld.volatile.global" in code) == in_place
     merge_pointers = {n: pointers[n] for n in ("out_ptr", "part_m_ptr", "part_l_ptr", "part_acc_ptr",
                                                "query_start_ptr")}
     merge_ints = {n: "i32" for n in ("stride_ot", "stride_oh", "num_splits", "num_chunks")}
