@@ -25,7 +25,7 @@ kernel = kernel_module("specdec.kernels.paged_attention")  # None outside the ch
 @parent_only
 def test_kernel_cases_under_the_interpreter():
     """This file's kernel cases, in a child process started with TRITON_INTERPRET=1."""
-    run_child(__file__, min_passed=14, parent_tests=4)  # this test and the three sm_90 compiles
+    run_child(__file__, min_passed=15, parent_tests=4)  # this test and the three sm_90 compiles
 
 
 def make_case(query_lens, context_lens, block_size, kv_heads=2, group=2, head_dim=32, dtype=torch.float32,
@@ -129,6 +129,18 @@ def test_the_last_partition_merges_in_place_and_leaves_its_counter_at_zero(parti
     assert kernel.split_plan(3, 2, 2048, q.device, 64, partition_keys)[0] > 1
     torch.testing.assert_close(run_kernel(q, k_cache, v_cache, batch, 0.25, partition_keys=partition_keys,
                                           max_rows=max_rows, merge_in_place=False), out)  # the two-kernel path
+
+
+@child_only
+def test_a_larger_counter_buffer_keeps_the_smaller_ones_alive():
+    """A launch with more (sequence, KV head, chunk) triples than the buffer holds gets a larger one; the old
+    ones are kept (a captured graph may still point at them)."""
+    device = torch.device("cpu")
+    first = kernel.arrival_counters(device, 1)
+    larger = kernel.arrival_counters(device, first.numel() + 1)
+    assert larger.numel() > first.numel() and not larger.any()
+    assert any(kept is first for kept in kernel._COUNTERS[device])
+    assert kernel.arrival_counters(device, 5) is larger
 
 
 @parent_only

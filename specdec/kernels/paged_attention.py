@@ -257,21 +257,24 @@ def split_plan(num_seqs: int, kv_heads: int, max_context_len: int, device: torch
     return max(1, -(-max_context_len // partition_keys)), partition_keys
 
 
-_COUNTERS: dict[torch.device, torch.Tensor] = {}  # per device: arrival counters of in-place merges, all zero
+# Per device, every arrival-counter buffer ever made, the largest last; all zero between launches.  None is ever
+# freed: a CUDA graph captured with one keeps its address.
+_COUNTERS: dict[torch.device, list[torch.Tensor]] = {}
 MIN_COUNTERS = 4096  # (sequence, KV head, row chunk) triples the first buffer holds: batch 512 at Hkv 8
 
 
 def arrival_counters(device: torch.device, needed: int) -> torch.Tensor | None:
     """The device's zeroed int32 arrival counters, at least `needed` of them (each in-place merge leaves its own
-    at zero); None while a CUDA graph is being captured and the buffer is too small (a buffer allocated inside
-    a capture would belong to that graph's memory pool): that launch merges in a second kernel instead."""
-    counters = _COUNTERS.get(device)
-    if counters is not None and counters.numel() >= needed:
-        return counters
+    at zero); None while a CUDA graph is being captured and no buffer is large enough (one allocated inside a
+    capture would belong to that graph's memory pool): that launch merges in a second kernel instead."""
+    buffers = _COUNTERS.setdefault(device, [])
+    if buffers and buffers[-1].numel() >= needed:
+        return buffers[-1]
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         return None
-    _COUNTERS[device] = torch.zeros(max(needed, MIN_COUNTERS), dtype=torch.int32, device=device)
-    return _COUNTERS[device]
+    buffers.append(torch.zeros(max(needed, 2 * buffers[-1].numel() if buffers else MIN_COUNTERS),
+                               dtype=torch.int32, device=device))
+    return buffers[-1]
 
 
 def launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, query_start: torch.Tensor,
