@@ -195,7 +195,7 @@ def test_resume_continues_and_mismatch_is_refused(tiny, tmp_path):
     assert result["steps"] == 12
     assert pipeline.read_shards(out / "continuations") == pipeline.read_shards(Path(tiny["run"].out) / "continuations")
     other = _run(tiny["base"], out, tiny["heldout"], tiny["prompts"], max_new_tokens=8)
-    with pytest.raises(pipeline.RunMismatchError, match="max_new_tokens"):
+    with pytest.raises(pipeline.RunMismatchError, match=r"max_new_tokens \(the run's: \d+, now: 8\)"):
         pipeline.run_pipeline(other, quiet=True)
 
 

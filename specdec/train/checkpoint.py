@@ -40,6 +40,11 @@ class Checkpoint:
         optimizer.load_state_dict(state["optimizer"])
 
 
+def _shown(value) -> str:
+    text = "none" if value is None else json.dumps(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
 def check_run_identity(run) -> None:
     """Record the run's settings (``run.identity()``) in ``run.out``/run.json; refuse to resume a run made with
     other data or models."""
@@ -49,7 +54,10 @@ def check_run_identity(run) -> None:
         recorded = json.loads(path.read_text())
         diff = sorted(k for k in identity.keys() | recorded.keys() if recorded.get(k) != identity.get(k))
         if diff:
-            raise RunMismatchError(f"{run.out} holds a run with other {', '.join(diff)} (see {path}): use a new "
-                                   "--out, or the same settings to resume")
+            # e.g. "corpus_windows (the run's: none, now: 100000)"; a setting a run left at its default is absent
+            settings = "; ".join(f"{k} (the run's: {_shown(recorded.get(k))}, now: {_shown(identity.get(k))})"
+                                 for k in diff)
+            raise RunMismatchError(f"{run.out} holds a run with other settings: {settings} (see {path}): use a "
+                                   "new --out, or the run's settings to resume it")
     else:
         path.write_text(json.dumps(identity, indent=1) + "\n")
