@@ -4,6 +4,8 @@ Triton's interpreter in a child process (tests/interpreter.py), and a tiny model
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -225,14 +227,15 @@ def test_eagle3_speculation_with_the_kernel_keeps_greedy_output(qwen3_dir, tmp_p
     from tests.test_speculative import GREEDY, mixed_prompts
 
     head = make_head_dir(tmp_path / "head", qwen3_dir)
-    prompts = mixed_prompts(4)
-    plain_outputs = [o.token_ids for o in LLM(qwen3_dir, device="cpu", kv_cache_tokens=2048).generate(prompts, GREEDY)]
+    prompts = mixed_prompts(2)  # the interpreter runs a program a token and head: ~20 ms each
+    greedy = dataclasses.replace(GREEDY, max_tokens=12)
+    plain_outputs = [o.token_ids for o in LLM(qwen3_dir, device="cpu", kv_cache_tokens=2048).generate(prompts, greedy)]
     caches = set()  # the key caches the kernel wrote: one per target layer, and the head's
     monkeypatch.setattr(fused.Kernels, "qk_rope_write",
                         staticmethod(lambda *a: caches.add(a[-2].data_ptr()) or kernel.qk_rope_write(*a)))
     spec = SpecConfig("eagle3", model=str(head), num_draft_tokens=3, adaptive=False)
     llm = LLM(qwen3_dir, device="cpu", kv_cache_tokens=2048, block_size=4, speculator=spec)
-    assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == plain_outputs
+    assert [o.token_ids for o in llm.generate(prompts, greedy)] == plain_outputs
     assert llm.engine.speculator.stats["draft_forwards"] > 0
     assert len(caches) == llm.engine.runner.model.config.num_hidden_layers + 1
 
