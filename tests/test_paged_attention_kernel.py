@@ -25,7 +25,7 @@ kernel = kernel_module("specdec.kernels.paged_attention")  # None outside the ch
 @parent_only
 def test_kernel_cases_under_the_interpreter():
     """This file's kernel cases, in a child process started with TRITON_INTERPRET=1."""
-    run_child(__file__, min_passed=15, parent_tests=4)  # this test and the three sm_90 compiles
+    run_child(__file__, min_passed=16, parent_tests=4)  # this test and the three sm_90 compiles
 
 
 def make_case(query_lens, context_lens, block_size, kv_heads=2, group=2, head_dim=32, dtype=torch.float32,
@@ -323,3 +323,25 @@ def test_triton_backend_keeps_greedy_outputs(qwen3_dir, triton_backend, monkeypa
     calls.clear()
     sdpa = LLM(qwen3_dir, device="cpu", kv_cache_tokens=512, block_size=16, attention_backend="sdpa")
     assert [o.token_ids for o in sdpa.generate(prompts, greedy)] == with_kernel and not calls
+
+
+@child_only
+def test_in_place_merges_keep_greedy_outputs_through_the_engine(qwen3_dir, triton_backend, monkeypatch):
+    """Every layer's launch of every step reusing the same arrival counters: with contexts split over two
+    partitions (MIN_PARTITION lowered) and MERGE_IN_PLACE on, greedy outputs match the SDPA backend's."""
+    from specdec import LLM, SamplingParams
+
+    monkeypatch.setattr(kernel, "MIN_PARTITION", 16)
+    monkeypatch.setattr(kernel, "MERGE_IN_PLACE", True)
+    merged_in_place = []  # launches that took the counters
+    counters = kernel.arrival_counters
+    monkeypatch.setattr(kernel, "arrival_counters", lambda *a: merged_in_place.append(1) or counters(*a))
+    greedy = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    prompts = [list(range(10, 80)), list(range(5, 12))]  # 70 and 7 tokens: decode contexts up to 73 keys
+    llm = LLM(qwen3_dir, device="cpu", kv_cache_tokens=512, block_size=16, attention_backend="triton")
+    in_place = [o.token_ids for o in llm.generate(prompts, greedy)]
+    assert len(merged_in_place) >= 2 * llm.engine.runner.model.config.num_hidden_layers  # every layer, 2+ steps
+    assert not counters(torch.device("cpu"), 1).any()
+    sdpa = LLM(qwen3_dir, device="cpu", kv_cache_tokens=512, block_size=16, attention_backend="sdpa")
+    assert [o.token_ids for o in sdpa.generate(prompts, greedy)] == in_place
+
