@@ -53,6 +53,7 @@ KINDS = ("eagle3", "mtp")
 # against continuations alone on one H100 (docs/BENCHMARKS.md, fifteenth session).  An MTP head keeps lr 1e-3
 # and no windows (bench/gpu_hybrid.sh's recipe).
 EAGLE3_LR = 2e-3
+MTP_LR = 1e-3
 EAGLE3_WINDOWS = 100_000  # at most this many corpus windows (51M tokens at seq_len 512) when a source is a corpus
 
 
@@ -473,7 +474,7 @@ def check_kind(run: HeadRun) -> None:
 def run_pipeline(run: HeadRun, progress: bool = True) -> dict:
     check_kind(run)
     check_prompt_sources(run.sources)
-    if run.corpus_windows and not any(is_corpus(Path(s)) for s in run.sources):
+    if run.corpus_windows and not has_corpus(run.sources):
         raise ConfigError("--corpus-windows cuts windows from corpus directories, and no --prompts source is one "
                           "(JSON-lines prompt files have no documents): add a corpus built by `python -m "
                           "specdec.data.corpus`, or leave --corpus-windows out")
@@ -496,15 +497,20 @@ def run_pipeline(run: HeadRun, progress: bool = True) -> dict:
     return result
 
 
+def has_corpus(sources: Sequence[str]) -> bool:
+    """Whether any prompt source is a corpus directory (the only kind corpus windows are cut from)."""
+    return any(is_corpus(Path(source)) for source in sources)
+
+
 def defaults_for_kind(kind: str, sources: Sequence[str], lr: float | None,
                       windows: int | None) -> tuple[float, int]:
     """(lr, corpus windows) where the command line left them out: an EAGLE-3 head's recipe (EAGLE3_LR, and
-    EAGLE3_WINDOWS when a prompt source is a corpus, none otherwise), an MTP head's 1e-3 and none."""
+    EAGLE3_WINDOWS when a prompt source is a corpus, none otherwise), an MTP head's MTP_LR and none."""
     eagle3 = kind == "eagle3"
     if lr is None:
-        lr = EAGLE3_LR if eagle3 else 1e-3
+        lr = EAGLE3_LR if eagle3 else MTP_LR
     if windows is None:
-        windows = EAGLE3_WINDOWS if eagle3 and any(is_corpus(Path(s)) for s in sources) else 0
+        windows = EAGLE3_WINDOWS if eagle3 and has_corpus(sources) else 0
     return lr, windows
 
 
@@ -540,7 +546,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--lr", type=float, default=None, help=f"peak learning rate (default: {EAGLE3_LR} for "
-                        "eagle3, 1e-3 for mtp)")
+                        f"eagle3, {MTP_LR} for mtp)")
     parser.add_argument("--max-steps", type=int, default=1000)
     parser.add_argument("--max-minutes", type=float, default=None, help="stop training after this long")
     parser.add_argument("--checkpoint-every", type=int, default=200)
