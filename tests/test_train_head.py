@@ -269,3 +269,65 @@ def test_the_command_defaults_to_the_bundled_heads_recipe_for_eagle3_and_not_for
     assert pipeline.defaults_for_kind("mtp", both, None, None) == (1e-3, 0)
     assert pipeline.defaults_for_kind("eagle3", both, 5e-4, 0) == (5e-4, 0)  # what the command line gives stays
     assert pipeline.defaults_for_kind("mtp", both, 3e-3, 7) == (3e-3, 7)
+
+
+def test_a_run_trains_on_from_a_head_with_its_vocabulary_and_layers(tiny, tmp_path):
+    import dataclasses
+    import shutil
+
+    export = tiny["result"]["exports"]["bf16"]["dir"]
+    out = tmp_path / "run"
+    shutil.copytree(Path(tiny["run"].out), out, ignore=shutil.ignore_patterns("checkpoint", "export", "run.json"))
+    run = dataclasses.replace(tiny["run"], out=str(out), init_from=export, draft_vocab=None, max_steps=20, lr=1e-3)
+    # from the head's weights, draft vocabulary and feature layers, not from these sequences' (tokens 2 .. 42)
+    model = pipeline.eagle3_model(run, [np.array([5, 17, 30, 2, 9, 42])], torch.device("cpu"))
+    saved = load_eagle3_head(export, load_model(tiny["target"], "cpu", torch.float32), torch.device("cpu"),
+                             torch.float32)
+    trained = model.module.state_dict()
+    assert model.start == "head" and model.vocab == 80 and model.feature_layers == (2, 2, 1)
+    assert all(torch.equal(trained[name], tensor) for name, tensor in saved.state_dict().items()
+               if not name.startswith("embed_tokens"))
+    assert all(p.requires_grad for p in model.module.parameters())
+    assert run.identity()["init_from"] == str(Path(export).resolve()) and "init_from" not in tiny["run"].identity()
+    # end to end (continuations from the copied cache): it starts where the first run ended, not where it began
+    result = pipeline.run_pipeline(run, progress=False)
+    first = tiny["result"]
+    assert result["start"] == "head" and result["steps"] == 20
+    assert result["acceptance_before"][0] > first["acceptance_before"][0] + 0.15
+    assert abs(result["acceptance_before"][0] - first["acceptance_after"][0]) < 0.05  # bf16 export: near, not equal
+    manifest = (out / "DATA_MANIFEST.md").read_text()
+    assert f"`{export}` (model.safetensors sha256 " in manifest
+
+
+def test_a_head_to_train_on_is_refused_before_any_work_where_it_does_not_fit(tiny, tmp_path, capsys):
+    import dataclasses
+    import re
+    import shutil
+
+    from specdec.errors import ConfigError, ModelLoadError
+
+    export = tiny["result"]["exports"]["bf16"]["dir"]
+    run = dataclasses.replace(tiny["run"], init_from=export, draft_vocab=None, out=str(tmp_path / "bad"))
+    for changes, error, what in (
+            ({"feature_layers": (1, 2, 4)}, ConfigError, "--feature-layers 1,2,4 (the head reads 2,2,1)"),
+            ({"draft_vocab": 50}, ConfigError, "--draft-vocab 50 (the head's is 80)"),
+            ({"start": "target"}, ConfigError, "--start target (the head's output side is trained already)"),
+            ({"kind": "mtp"}, ConfigError, "--init-from continues an EAGLE-3 head"),
+            ({"init_from": str(tiny["target"])}, ModelLoadError, "is not an EAGLE-3 head")):
+        with pytest.raises(error, match=re.escape(what)):
+            pipeline.run_pipeline(dataclasses.replace(run, **changes), progress=False)
+        assert not (tmp_path / "bad").exists()
+    other = shutil.copytree(export, tmp_path / "other")  # a head made for a target of another width
+    config = json.loads((other / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps(config | {"target_hidden_size": 999}))
+    with pytest.raises(ModelLoadError, match=r"config\.json: this EAGLE-3 head does not fit .*target_hidden_size"):
+        pipeline.run_pipeline(dataclasses.replace(run, init_from=str(other)), progress=False)
+    assert not (tmp_path / "bad").exists()
+    from specdec.cli import main
+
+    with pytest.raises(SystemExit) as exited:
+        main(["train", "head", "--target", str(tiny["target"]), "--prompts", *tiny["run"].sources,
+              "--out", str(tmp_path / "bad"), "--init-from", str(tmp_path / "no-such-head")])
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and "error: --init-from: unknown model" in err and "Traceback" not in err
+    assert not (tmp_path / "bad").exists()

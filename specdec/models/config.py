@@ -165,14 +165,18 @@ class ModelConfig:
 
     @classmethod
     def from_dir(cls, model_dir: Path) -> "ModelConfig":
-        path = Path(model_dir) / "config.json"
-        if not path.is_file():
-            raise ModelLoadError(f"{model_dir} has no config.json: pass a Hugging Face model directory")
-        try:
-            raw = json.loads(path.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise ModelLoadError(f"{path} is not valid JSON: {exc}") from exc
-        return cls.from_dict(raw)
+        return cls.from_dict(read_config_json(Path(model_dir)))
+
+
+def read_config_json(model_dir: Path, what: str = "a Hugging Face model directory") -> dict:
+    """model_dir/config.json as a dict; refused, naming the file, where it is missing or not JSON."""
+    path = model_dir / "config.json"
+    if not path.is_file():
+        raise ModelLoadError(f"{model_dir} has no config.json: pass {what}")
+    try:
+        return json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ModelLoadError(f"{path} is not valid JSON: {exc}") from exc
 
 
 def _as_id_tuple(value: Any) -> tuple[int, ...]:

@@ -32,7 +32,7 @@ from torch import nn
 
 from specdec.errors import ModelLoadError
 from specdec.models.attention import AttentionBatch
-from specdec.models.config import ModelConfig
+from specdec.models.config import ModelConfig, read_config_json
 from specdec.models.layers import GatedMLP, RMSNorm, Rotary
 from specdec.models.transformer import Attention
 
@@ -166,16 +166,8 @@ def load_eagle3_head(head_dir: str | Path, target, device: torch.device, dtype: 
     """A head for `target` (a CausalLM) from a directory in the published layout; refused, naming the file and
     the field, when its shapes do not fit the target."""
     head_dir = Path(head_dir)
-    config_path = head_dir / "config.json"
-    if not config_path.is_file():
-        raise ModelLoadError(f"{head_dir} has no config.json: pass an EAGLE-3 head directory")
-    try:
-        raw = json.loads(config_path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ModelLoadError(f"{config_path} is not valid JSON: {exc}") from exc
-    _check_is_a_head(head_dir, raw)
-    config = Eagle3Config.from_dict(raw, str(config_path))
-    check_fits_target(config, target.config, config_path)
+    config = read_head_config(head_dir)
+    check_fits_target(config, target.config, head_dir / "config.json")
     from specdec.models.loader import read_state_dict
 
     state = read_state_dict(head_dir, device, dtype)
@@ -197,6 +189,13 @@ def load_eagle3_head(head_dir: str | Path, target, device: torch.device, dtype: 
         head.share_embedding(target.model.embed_tokens)
     head.rotary = Rotary(config.layer, config.layer.max_position_embeddings).to(device)
     return head.eval().requires_grad_(False)
+
+
+def read_head_config(head_dir: Path) -> Eagle3Config:
+    """The config of the EAGLE-3 head in head_dir; refused, saying why, where the directory is not one."""
+    raw = read_config_json(head_dir, "an EAGLE-3 head directory")
+    _check_is_a_head(head_dir, raw)
+    return Eagle3Config.from_dict(raw, str(head_dir / "config.json"))
 
 
 def check_fits_target(config: Eagle3Config, target: ModelConfig, source) -> None:

@@ -37,8 +37,11 @@ from torch import nn
 from tqdm import tqdm
 
 from specdec.errors import ConfigError
-from specdec.models.eagle3 import Eagle3Head, default_feature_layers, random_head, save_eagle3_head
+from specdec.models.config import ModelConfig
+from specdec.models.eagle3 import (Eagle3Head, check_fits_target, default_feature_layers, feature_layers,
+                                   load_eagle3_head, random_head, read_head_config, save_eagle3_head)
 from specdec.models.fused import plain_kernels
+from specdec.models.provenance import file_sha256
 from specdec.train.checkpoint import Checkpoint, check_run_identity
 from specdec.train.data import (add_data_arguments, check_overlap, check_prompt_sources, corpus_windows,
                                 generate_continuations, is_corpus, load_or_make_heldout, load_prompt_sources)
@@ -88,6 +91,7 @@ class HeadRun:
     kind: str = "eagle3"  # or "mtp": the target's own MTP head (train/mtp_head.py)
     start: str = "random"  # an EAGLE-3 head's output side: "random", or "target" (its final norm and LM head)
     feature_layers: tuple[int, ...] | None = None  # an EAGLE-3 head's target layers; None: vLLM's and SGLang's
+    init_from: str | None = None  # an EAGLE-3 head to train on (its weights, draft vocabulary and feature layers)
 
     def identity(self) -> dict[str, Any]:
         identity = {"target": str(Path(self.target).resolve()),
@@ -97,6 +101,8 @@ class HeadRun:
                     "seq_len": self.seq_len, "ttt_steps": self.ttt_steps}
         if self.corpus_windows:
             identity["corpus_windows"] = self.corpus_windows
+        if self.init_from:
+            identity["init_from"] = str(Path(self.init_from).resolve())
         if self.kind != "eagle3":
             return identity | {"kind": self.kind}
         if self.feature_layers is not None:
@@ -278,22 +284,50 @@ class HeadModel:
 
 
 def eagle3_model(run: HeadRun, sequences: list[np.ndarray], device: torch.device) -> HeadModel:
-    """A new EAGLE-3 head over the run's draft vocabulary (the most frequent tokens of the sequences), its
-    output side started as run.start says."""
+    """The EAGLE-3 head a run trains: the head run.init_from names (float32, its own draft vocabulary and
+    feature layers), or a new one over the run's draft vocabulary (the most frequent tokens of the sequences),
+    its output side started as run.start says."""
     from specdec.models.loader import load_model
 
     small = load_model(run.target, device, torch.float32)
-    layers = feature_layers_of(run, small.config.num_hidden_layers)
-    vocab = draft_vocabulary(sequences, small.config.vocab_size, run.draft_vocab)
-    head = random_head(small, seed=run.seed, draft_vocab=len(vocab), feature_layers=layers)
+    if run.init_from:
+        head = load_eagle3_head(run.init_from, small, device, torch.float32)
+        layers, vocab, start = feature_layers(head.config, small.config.num_hidden_layers), head.target_ids(), "head"
+    else:
+        layers = feature_layers_of(run, small.config.num_hidden_layers)
+        vocab = draft_vocabulary(sequences, small.config.vocab_size, run.draft_vocab)
+        head, start = random_head(small, seed=run.seed, draft_vocab=len(vocab), feature_layers=layers), run.start
+        set_vocabulary(head, vocab)
+        if run.start == "target":
+            start_from_target_output(head, small, vocab)
     head = head.float().requires_grad_(True)
     head.embed_tokens = None  # the target's embedding comes with each batch; the export shares the target's
-    set_vocabulary(head, vocab)
-    if run.start == "target":
-        start_from_target_output(head, small, vocab)
     del small
     return HeadModel(head, Eagle3Unroll(head), TargetSignals(run.target, device, layers), layers, len(vocab),
-                     run.start, lambda out_dir, fmt: export_head(head, out_dir, fmt))
+                     start, lambda out_dir, fmt: export_head(head, out_dir, fmt))
+
+
+def check_init_from(run: HeadRun, target: ModelConfig) -> None:
+    """Refuse, before any work, an --init-from head that does not fit the target (naming its config's field) or
+    that the run's other flags contradict: a continued head keeps its feature layers, draft vocabulary and
+    output side."""
+    if not run.init_from:
+        return
+    head_dir = Path(run.init_from)
+    config = read_head_config(head_dir)
+    check_fits_target(config, target, head_dir / "config.json")
+    layers = feature_layers(config, target.num_hidden_layers)
+    clashes = []
+    if run.feature_layers is not None and tuple(run.feature_layers) != layers:
+        clashes.append(f"--feature-layers {','.join(map(str, run.feature_layers))} (the head reads "
+                       f"{','.join(map(str, layers))})")
+    if run.draft_vocab is not None and run.draft_vocab != config.draft_vocab_size:
+        clashes.append(f"--draft-vocab {run.draft_vocab} (the head's is {config.draft_vocab_size})")
+    if run.start != "random":
+        clashes.append(f"--start {run.start} (the head's output side is trained already)")
+    if clashes:
+        raise ConfigError(f"--init-from {head_dir}: " + "; ".join(clashes) + ": leave them out, a continued head "
+                          "keeps its feature layers, draft vocabulary and output side")
 
 
 def feature_layers_of(run: HeadRun, num_target_layers: int) -> tuple[int, ...]:
@@ -454,6 +488,10 @@ def head_description(run: HeadRun, summary: dict) -> str:
         return (f"The target's MTP head (mtp.* only; embedding and LM head the target's, frozen), started from "
                 f"{start}, feature layer {summary['feature_layers']} (the final-normed hidden state), the target's "
                 f"whole vocabulary ({summary['draft_vocab']} tokens)")
+    if summary["start"] == "head":
+        weights = Path(run.init_from) / "model.safetensors"
+        return (f"Feature layers {summary['feature_layers']}, draft vocabulary {summary['draft_vocab']} tokens, both "
+                f"the head's it started from: `{run.init_from}` (model.safetensors sha256 {file_sha256(weights)})")
     start = ("the target's final norm and LM head rows, the rest random" if summary["start"] == "target"
              else "random weights")
     return (f"Feature layers {summary['feature_layers']}, draft vocabulary {summary['draft_vocab']} tokens (the most "
@@ -464,6 +502,9 @@ def check_kind(run: HeadRun) -> None:
     """Refuse, before any work, a run whose kind does not fit its target or formats."""
     if run.kind not in KINDS:
         raise ValueError(f"kind {run.kind!r}: one of {KINDS}")
+    if run.init_from and run.kind != "eagle3":
+        raise ConfigError("--init-from continues an EAGLE-3 head; an MTP head starts from the target's own mtp.* "
+                          "weights where it ships them")
     if run.kind == "mtp":
         from specdec.train.mtp_head import check_formats, check_target
 
@@ -479,9 +520,9 @@ def run_pipeline(run: HeadRun, progress: bool = True) -> dict:
                           "(JSON-lines prompt files have no documents): add a corpus built by `python -m "
                           "specdec.data.corpus`, or leave --corpus-windows out")
     if run.kind == "eagle3":  # before any continuation is made
-        from specdec.models.config import ModelConfig
-
-        feature_layers_of(run, ModelConfig.from_dir(run.target).num_hidden_layers)
+        target = ModelConfig.from_dir(run.target)
+        feature_layers_of(run, target.num_hidden_layers)
+        check_init_from(run, target)
     out = Path(run.out)
     out.mkdir(parents=True, exist_ok=True)
     check_run_identity(run)
@@ -561,6 +602,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--feature-layers", type=layer_ids, default=None,
                         help="an EAGLE-3 head's target layers, e.g. 2,4,7 (default: 2, L/2, L-3 as vLLM and "
                              "SGLang; j is the residual stream entering layer j)")
+    parser.add_argument("--init-from", default=None, metavar="HEAD",
+                        help="train on from this EAGLE-3 head (a directory in the published layout, or ref-head): "
+                             "its weights, draft vocabulary and feature layers, e.g. a published head fine-tuned on "
+                             "your own prompts (default: a new head)")
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
     if args.ttt_steps < 1 or args.max_steps < 1:
@@ -576,6 +621,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--draft-vocab is for --kind eagle3: an MTP head drafts over the target's whole vocabulary")
     formats = args.formats or (["bf16"] if args.kind == "mtp" else list(FORMATS))
     target = model_dir_arg(parser, "--target", args.target)
+    init_from = model_dir_arg(parser, "--init-from", args.init_from) if args.init_from else None
     run = HeadRun(target, args.prompts, args.out, heldout=args.heldout, heldout_limit=args.heldout_limit,
                   heldout_max_tokens=args.max_new_tokens, n_prompts=args.n_prompts, corpus_windows=windows,
                   min_prompt=args.min_prompt, max_prompt=args.max_prompt, max_new_tokens=args.max_new_tokens,
@@ -583,7 +629,7 @@ def main(argv: list[str] | None = None) -> int:
                   seq_len=args.seq_len, batch_size=args.batch_size, lr=lr, max_steps=args.max_steps,
                   max_minutes=args.max_minutes, checkpoint_every=args.checkpoint_every, seed=args.seed,
                   device=args.device, formats=tuple(formats), drop_overlap=args.drop_overlap, kind=args.kind,
-                  start=args.start, feature_layers=args.feature_layers)
+                  start=args.start, feature_layers=args.feature_layers, init_from=init_from)
     result = run_pipeline(run, progress=not args.no_progress)
     print(json.dumps({k: result[k] for k in ("acceptance_before", "acceptance_after", "steps", "tokens", "seconds")}))
     return 0
