@@ -277,11 +277,12 @@ def profile_phases(llm: LLM, prompts: list[str], params: SamplingParams, steps: 
                       "device_ms": e.device_time_total * ms_per_step}
               for e in events if e.key in labels}
     kernels = sum(e.self_device_time_total for e in events)
-    def top(time_of):
-        ranked = sorted((e for e in events if e.key not in labels), key=time_of, reverse=True)[:12]
+    def top(time_of, count=12):
+        ranked = sorted((e for e in events if e.key not in labels), key=time_of, reverse=True)[:count]
         return [[e.key[:80], round(time_of(e) * ms_per_step, 4), e.count // max(1, done)] for e in ranked]
+    # every kernel (up to 80), so that two engines' steps can be diffed kernel by kernel (graph replays included)
     return {"steps": done, "step_ms": 1e3 * wall / max(1, done), "device_busy_ms": kernels * ms_per_step,
-            "phases": phases, "top_device": top(lambda e: e.self_device_time_total),
+            "phases": phases, "top_device": top(lambda e: e.self_device_time_total, 80),
             "top_host": top(lambda e: e.self_cpu_time_total),  # [op, ms per step, calls per step]
             "phase_kernels": phase_kernels(prof.events(), labels, ms_per_step, done)}
 
