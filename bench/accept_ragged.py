@@ -9,7 +9,8 @@ come out of the verify forward and q in the drafter's own vocabulary.
 
 Beside them, the whole of the sampler's phase from the target's logits (processing, uniforms, acceptance, the
 host copy): "sampler", today's ragged path (specdec.engine.sampler._sample_chains), and "fixed", acceptance on
-the verify step's fixed shape (specdec.engine.fixed_acceptance.FixedAcceptance: one CUDA graph replay on a GPU).
+the verify step's fixed shape (specdec.engine.fixed_acceptance.FixedAcceptance: one CUDA graph replay on a GPU),
+and on a GPU "fused", the same with its fused kernel (specdec/kernels/accept.py; steps without top-p only).
 Their logits are log(target), every row sampled at T = 1 (--top-p < 1 adds the cut and its sort to both).
 
 Three drafters per batch size: "deterministic" (n-gram: no q), "draft model" (q over the target
@@ -158,6 +159,10 @@ def measure(drafter: str, batch: int, args, device) -> dict:
     runs = (("old", lambda: old_step(step)), ("new", lambda: new_step(step)),
             ("sampler", lambda: sampler_step(step, seqs, logits)),
             ("fixed", lambda: fixed.accept(seqs, batch, args.k + 1, logits)))
+    if device.type == "cuda":  # the fused kernel (specdec/kernels/accept.py) in the same graph
+        fused = FixedAcceptance(device, capture=True)
+        fused.fused_kernel = args.top_p >= 1.0  # (a step with top-p keeps accept_fixed)
+        runs += (("fused", lambda: fused.accept(seqs, batch, args.k + 1, logits)),)
     for name, fn in runs:
         seconds = timed(fn, device, repeats=args.repeats, warmup=1)
         sync(device)
@@ -166,6 +171,13 @@ def measure(drafter: str, batch: int, args, device) -> dict:
                      "cuda_peak_mb": None if peak is None else round(peak / 1e6, 1)}
     row["speedup"] = round(row["old"]["ms"] / row["new"]["ms"], 2)
     row["fixed_speedup"] = round(row["sampler"]["ms"] / row["fixed"]["ms"], 2)  # the whole phase, from logits
+    if "fused" in row:
+        row["fused_speedup"] = round(row["fixed"]["ms"] / row["fused"]["ms"], 2)
+        outputs = []
+        for acceptance in (fixed, fused):  # the same uniforms: the same tokens (up to float rounding's ~1e-7 a draw)
+            torch.manual_seed(0)
+            outputs.append(acceptance.accept(seqs, batch, args.k + 1, logits))
+        row["fused_same_tokens"] = outputs[0] == outputs[1]
     row["top_p"] = args.top_p
     return row
 
@@ -190,7 +202,8 @@ def main() -> int:
             r = rows[-1]
             print(f"B={batch:3d} {drafter:13s} old {r['old']['ms']:9.2f} ms {r['old']['allocated_mb']:8.1f} MB | "
                   f"new {r['new']['ms']:9.2f} ms {r['new']['allocated_mb']:8.1f} MB | x{r['speedup']} || "
-                  f"sampler {r['sampler']['ms']:9.2f} ms | fixed {r['fixed']['ms']:9.2f} ms | x{r['fixed_speedup']}",
+                  f"sampler {r['sampler']['ms']:9.2f} ms | fixed {r['fixed']['ms']:9.2f} ms | x{r['fixed_speedup']}"
+                  + (f" | fused {r['fused']['ms']:7.3f} ms x{r['fused_speedup']}" if "fused" in r else ""),
                   flush=True)
     write_json(args.out, {"environment": environment(device), "threads": torch.get_num_threads(), "rows": rows})
     return 0

@@ -35,6 +35,7 @@ for s in $STAGES; do
     speculative) stage speculative ${SPEC_STAGE_S:-200} python3 bench/speculative.py --out "$OUT/speculative-h200.json" $SPEC_ARGS ;;
     specpiece) stage specpiece ${SPEC_STAGE_S:-200} python3 bench/speculative.py --out "$OUT/speculative-piecewise-h200.json" --piecewise --no-peer $SPEC_ARGS ;;
     specsteps) stage specsteps ${STEPS_STAGE_S:-150} python3 bench/spec_steps.py --out "$OUT/spec-steps-h200.json" $STEPS_ARGS ;;
+    accept) stage accept ${ACCEPT_STAGE_S:-90} python3 bench/accept_ragged.py --out "$OUT/accept-ragged-h200.json" --k 3 $ACCEPT_ARGS ;;
     attnshapes) stage attnshapes 60 python3 bench/attention_shapes.py --out "$OUT/attention-shapes-h200.json" ;;
     attnkernel) stage attnkernel 90 python3 bench/attention_kernel.py --out "$OUT/attention-kernel-h200.json" ;;
     eager) stage eager ${EAGER_STAGE_S:-150} python3 bench/eager_steps.py --out "$OUT/eager-steps-h200.json" ;;

@@ -44,6 +44,7 @@ from bench.common import (alloc_retries, compiles, environment, free_device_memo
                           triton_compiles, write_json)
 from specdec import LLM, SamplingParams  # noqa: E402
 from specdec.assets import heldout_prompts_path  # noqa: E402
+from specdec.engine import fixed_acceptance as fixed_acceptance_module  # noqa: E402
 from specdec.speculate import SpecConfig  # noqa: E402
 
 
@@ -396,10 +397,14 @@ def main(argv=None) -> int:
                         help="the engines' EngineConfig.piecewise_graphs (default: the engine's)")
     parser.add_argument("--attention-backend", default=None, choices=("sdpa", "triton"),
                         help="the engines' attention (default: the engine's, triton on a GPU)")
+    parser.add_argument("--fused-accept", action="store_true",
+                        help="accept steps without top-k / top-p through specdec/kernels/accept.py "
+                             "(engine/fixed_acceptance.py FUSED_KERNEL)")
     parser.add_argument("--profile-steps", type=int, default=0,
                         help="also profile this many steps of one reply per engine (profile_phases)")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
+    fixed_acceptance_module.FUSED_KERNEL = args.fused_accept
     prompts = [json.loads(line)["prompt"] for line in heldout_prompts_path().read_text().splitlines()[:args.prompts]]
     engine = dict(device=device, max_num_seqs=args.batch, kv_cache_tokens=4096 * args.batch, max_model_len=2048,
                   twin=args.target_twin or None, attention_backend=args.attention_backend,
@@ -432,7 +437,7 @@ def main(argv=None) -> int:
         configs[f"eagle3-tree{width}-adaptive-k{k}"] = SpecConfig("eagle3", num_draft_tokens=k, tree_width=width,
                                                                   **head)
     results = {"env": environment(device), "attention_backend": args.attention_backend or "engine default",
-               "fixed_acceptance": args.fixed_acceptance,
+               "fixed_acceptance": args.fixed_acceptance, "fused_accept": args.fused_accept,
                "piecewise_graphs": args.piecewise_graphs, "early_observe": args.early_observe,
                "chain_ahead": args.chain_ahead,
                "target": f"{args.target} as {args.target_twin} twin",

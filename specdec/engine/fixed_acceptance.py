@@ -32,6 +32,11 @@ every other graph, the largest sampled shape's sort-free temporaries (a few [B q
 (or without graphs) nothing is captured: each key's body runs once eagerly, as the static runner's precapture
 runs each forward, and its shape is made (the tests read `shapes`).
 
+Fused kernel (`fused_kernel`, opt-in until measured on a GPU: FUSED_KERNEL): a key without cuts runs
+specdec/kernels/accept.py's three launches in its graph instead of accept_fixed's PyTorch operations (the same
+maths on the same uniforms, without materialising the processed probabilities [B q, V]); keys with cuts keep
+accept_fixed.
+
 Which steps come here (sampler.sample_tokens decides, with `eligible`): the step ran on the static runner and
 every sequence samples with a chain of drafts (or none), all q rows in one draft vocabulary.  Draft trees take
 today's path (verify_tree.accept_tree).  Log-probs need nothing from here: they are read off the same rows.
@@ -48,6 +53,9 @@ from specdec import fixed_accept
 from specdec.engine.graph_warm_up import warm_up
 from specdec.engine.scheduler import ScheduledSeq
 from specdec.verify import _draw_uniforms
+
+# Keys without top-k / top-p accepted by specdec/kernels/accept.py on a GPU (FixedAcceptance.fused_kernel)
+FUSED_KERNEL = False
 
 
 def eligible(seqs: list[ScheduledSeq]) -> bool:
@@ -136,6 +144,7 @@ class FixedAcceptance:
         self.vocab_of: dict[int, torch.Tensor] = {}  # per q width: the drafter's tensor staged there
         self.steps = 0  # steps accepted here
         self.scratch: dict[str, torch.Tensor] = {}  # the large float32 inputs, shared by every shape
+        self.fused_kernel = FUSED_KERNEL and device.type == "cuda"  # the module's note (tests set it on a CPU)
 
     def _scratch(self, name: str, rows: int, cols: int) -> torch.Tensor:
         """[rows, cols] float32 view of the shared buffer `name`, made larger when too small (shapes made before
@@ -283,12 +292,26 @@ class FixedAcceptance:
         if width:
             ids = self.vocab_ids[width] if mapped else None
             draft_q = fixed_accept.device_q(shape.q_probs, x.q_rows, ids, shape.logits.shape[-1])
+        if self.fused_kernel and not cuts:
+            self._fused_body(shape, x, draft_q, any_sampled)
+            return
         a, tokens = fixed_accept.accept_fixed(
             shape.logits, x.first, x.drafts, x.num_drafts, x.greedy.bool(), x.temperature.view(torch.float64).float(),
             x.top_k, x.top_p.view(torch.float64).float(), shape.u_test[x.test_index],
             shape.u_race.index_select(0, x.race_index), draft_q, cuts=cuts, any_sampled=any_sampled)
         shape.out[:, 0] = a
         shape.out[:, 1:] = tokens
+
+    @staticmethod
+    def _fused_body(shape: _Shape, x: _Inputs, draft_q, any_sampled: bool) -> None:
+        """The body of a key without cuts through specdec/kernels/accept.py: the race's exponentials E =
+        -log1p(-u) made from the drawn uniforms (every row of the buffer: one pass), then the kernel's three
+        launches, writing out."""
+        from specdec.kernels.accept import accept_fused
+
+        exponentials = torch.log1p(-shape.u_race).neg_() if any_sampled else shape.u_race  # [B, V] Exp(1)
+        accept_fused(shape.logits, x.first, x.drafts, x.num_drafts, x.greedy, x.temperature.view(torch.float64).float(),
+                     shape.u_test, x.test_index, exponentials, x.race_index, draft_q, any_sampled, out=shape.out)
 
     def _copy_back(self, shape: _Shape, turn: int, num_seqs: int) -> Launched:
         """Queue the one device -> host copy of the result (on a CPU, made at once)."""
