@@ -156,6 +156,7 @@ def measure(drafter: str, batch: int, args, device) -> dict:
            "draft_vocab": args.draft_vocab if drafter == "eagle3" else None}
     seqs, logits = scheduled(step, SamplingParams(temperature=1.0, top_p=args.top_p)), step.target.log()
     fixed = FixedAcceptance(device, capture=device.type == "cuda")
+    fixed.fused_kernel = False  # accept_fixed, the baseline (the engine takes the fused kernel on a GPU)
     runs = (("old", lambda: old_step(step)), ("new", lambda: new_step(step)),
             ("sampler", lambda: sampler_step(step, seqs, logits)),
             ("fixed", lambda: fixed.accept(seqs, batch, args.k + 1, logits)))

@@ -397,9 +397,9 @@ def main(argv=None) -> int:
                         help="the engines' EngineConfig.piecewise_graphs (default: the engine's)")
     parser.add_argument("--attention-backend", default=None, choices=("sdpa", "triton"),
                         help="the engines' attention (default: the engine's, triton on a GPU)")
-    parser.add_argument("--fused-accept", action="store_true",
+    parser.add_argument("--fused-accept", action=argparse.BooleanOptionalAction, default=True,
                         help="accept steps without top-k / top-p through specdec/kernels/accept.py "
-                             "(engine/fixed_acceptance.py FUSED_KERNEL)")
+                             "(engine/fixed_acceptance.py FUSED_KERNEL; default on, as the engine)")
     parser.add_argument("--profile-steps", type=int, default=0,
                         help="also profile this many steps of one reply per engine (profile_phases)")
     args = parser.parse_args(argv)

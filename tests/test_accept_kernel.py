@@ -18,7 +18,7 @@ kernel = kernel_module("specdec.kernels.accept")  # None outside the child
 @parent_only
 def test_kernel_cases_under_the_interpreter():
     """This file's kernel cases, in a child process started with TRITON_INTERPRET=1."""
-    run_child(__file__, min_passed=7, parent_tests=3)  # this test and the two sm_90 compiles
+    run_child(__file__, min_passed=8, parent_tests=3)  # this test and the two sm_90 compiles
 
 
 @pytest.fixture
@@ -79,6 +79,34 @@ def test_the_kernel_reads_the_race_uniforms_it_is_given(small_chunks):
         acceptance._fused_body = shifted
         differing += acceptance.accept(seqs, batch, q, logits) != want
     assert differing >= 3
+
+
+@pytest.fixture(scope="module")
+def head_dir(tmp_path_factory, qwen3_dir):
+    from tests.test_eagle3 import make_head_dir
+
+    return make_head_dir(tmp_path_factory.mktemp("head"), qwen3_dir)
+
+
+@child_only
+def test_an_engine_accepting_through_the_kernel_gives_the_same_replies(qwen3_dir, head_dir):
+    """Through the engine (an EAGLE-3 head drafting 2 over its draft vocabulary, fixed acceptance, precaptured
+    keys): greedy and seeded T = 1 replies with the kernel are those without it, and served steps went through
+    it."""
+    from tests.test_engine import prompts
+
+    params = [SamplingParams(max_tokens=10, temperature=0, ignore_eos=True),
+              SamplingParams(max_tokens=10, temperature=1.0, seed=3, ignore_eos=True)]
+    replies, calls = [], []
+    for fused in (False, True):
+        llm = steps.fa_llm(qwen3_dir, head_dir, "eagle3")
+        acceptance = llm.engine.runner.static.acceptance
+        acceptance.fused_kernel = fused
+        body = acceptance._fused_body
+        acceptance._fused_body = lambda *a, _body=body: calls.append(1) or _body(*a)
+        llm.engine.precapture_graphs(eager=True)
+        replies.append([[o.token_ids for o in llm.generate(prompts(3), p)] for p in params])
+    assert replies[0] == replies[1] and len(calls) > 20
 
 
 @parent_only

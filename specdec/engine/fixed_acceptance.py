@@ -18,13 +18,15 @@ the widest sampled shape, e.g. B q = 576 rows of V = 151,936 (350 MB a float32 c
 (an int64 order beside it) takes a few GB there at its peak; kv_cache.py's graph reserve (512 MB) does not count it.
 
 Precapture (`precapture`, from Engine.precapture_graphs with fixed acceptance on): a graph captured at a step's
-first use stalls that step (docs/BENCHMARKS.md), so for every (B, q) the static runner precaptured, two keys
-are captured before serving, from padding only (no request's drafts, uniforms or generators), largest first:
-greedy only, and sampled without cuts with the speculator's q rows (Speculator.q_width: an EAGLE-3 head's draft
-vocabulary, mapped; the target's for a drafter or an MTP head without a reduced vocabulary; none for n-gram or
-remote drafts, and none at q = 1).  A drafter of trees keeps its q > 1 steps off this path: only q = 1 there.
-Cuts (top-k / top-p) and other widths still capture at their first step.  E.g. max_num_seqs 64 with k up to 7
-(k in {0, 1, 2, 4, 7}): 7 batches x 5 q = 35 (B, q), 70 graphs.  What they hold: each its own small buffers
+first use stalls that step (docs/BENCHMARKS.md; with the fused kernel, its Triton compiles too), so for every
+(B, q) the static runner precaptured, these keys are captured before serving, from padding only (no request's
+drafts, uniforms or generators), largest first: greedy only, sampled without cuts with the speculator's q rows
+(Speculator.q_width: an EAGLE-3 head's draft vocabulary, mapped; the target's for a drafter or an MTP head
+without a reduced vocabulary; none for n-gram or remote drafts, and none at q = 1), and where those rows exist,
+sampled without them (a step of sequences with no drafts at q > 1: a catch-up, a head waking).  A drafter of
+trees keeps its q > 1 steps off this path: only q = 1 there.  Cuts (top-k / top-p) and other widths still
+capture at their first step.  E.g. max_num_seqs 64 with k up to 7 (k in {0, 1, 2, 4, 7}) and an EAGLE-3 head:
+7 batches x 5 q = 35 (B, q), 7 x (2 + 3 x 4) = 98 graphs.  What they hold: each its own small buffers
 (inputs, out, pinned host pairs: kB), the shared float32 scratch made at its largest at once, race [B_max, V]
 (64 x 151,936: 39 MB) and, with q rows, q [B_max (q_max - 1), V_q] (64 x 7 x 151,936: 272 MB for a full-width
 q; 256 sequences: 155 MB and 1.1 GB), which lazily a greedy-only serve never made; and in the pool, shared with
@@ -32,9 +34,10 @@ every other graph, the largest sampled shape's sort-free temporaries (a few [B q
 (or without graphs) nothing is captured: each key's body runs once eagerly, as the static runner's precapture
 runs each forward, and its shape is made (the tests read `shapes`).
 
-Fused kernel (`fused_kernel`, opt-in until measured on a GPU: FUSED_KERNEL): a key without cuts runs
-specdec/kernels/accept.py's three launches in its graph instead of accept_fixed's PyTorch operations (the same
-maths on the same uniforms, without materialising the processed probabilities [B q, V]); keys with cuts keep
+Fused kernel (`fused_kernel`: on a GPU whose Triton kernels work, models/fused.py Kernels.fused, unless
+FUSED_KERNEL is off): a key without cuts runs specdec/kernels/accept.py's three launches in its graph instead of
+accept_fixed's PyTorch operations (the same maths on the same uniforms, without materialising the processed
+probabilities [B q, V]; on an H100 1.6-2.7x faster at B 1-64, docs/BENCHMARKS.md); keys with cuts keep
 accept_fixed.
 
 Which steps come here (sampler.sample_tokens decides, with `eligible`): the step ran on the static runner and
@@ -52,10 +55,11 @@ import torch
 from specdec import fixed_accept
 from specdec.engine.graph_warm_up import warm_up
 from specdec.engine.scheduler import ScheduledSeq
+from specdec.models.fused import Kernels
 from specdec.verify import _draw_uniforms
 
 # Keys without top-k / top-p accepted by specdec/kernels/accept.py on a GPU (FixedAcceptance.fused_kernel)
-FUSED_KERNEL = False
+FUSED_KERNEL = True
 
 
 def eligible(seqs: list[ScheduledSeq]) -> bool:
@@ -144,7 +148,8 @@ class FixedAcceptance:
         self.vocab_of: dict[int, torch.Tensor] = {}  # per q width: the drafter's tensor staged there
         self.steps = 0  # steps accepted here
         self.scratch: dict[str, torch.Tensor] = {}  # the large float32 inputs, shared by every shape
-        self.fused_kernel = FUSED_KERNEL and device.type == "cuda"  # the module's note (tests set it on a CPU)
+        # the module's note (tests set it on a CPU): Triton kernels that work here, as the engine found at start-up
+        self.fused_kernel = FUSED_KERNEL and device.type == "cuda" and Kernels.fused
 
     def _scratch(self, name: str, rows: int, cols: int) -> torch.Tensor:
         """[rows, cols] float32 view of the shared buffer `name`, made larger when too small (shapes made before
@@ -192,7 +197,8 @@ class FixedAcceptance:
     def precapture(self, steps: list[tuple[int, int, torch.Tensor]], width: int = 0, mapped: bool = False) -> int:
         """Capture (on a CPU: run once) before serving the graphs a served step of each (batch, q, logits
         [batch q, V]) in `steps` most likely needs: greedy only, and sampled without cuts with q rows `width` wide
-        (`mapped`: in a reduced draft vocabulary) where q > 1, none where q = 1 (no drafts).  Staged from padding
+        (`mapped`: in a reduced draft vocabulary) where q > 1, none where q = 1 (no drafts), and where width > 0
+        sampled without q rows at q > 1 too.  Staged from padding
         only (no request is touched, no uniform drawn), largest shape first, through the served step's own
         _stage / _run.  Keys already made are left as they are; others (cuts, other widths) still capture at
         their first step.  Returns how many keys it made."""
@@ -206,8 +212,11 @@ class FixedAcceptance:
         made = 0
         for batch, q, logits in steps:
             w = width if q > 1 else 0
-            for key in (self._key(batch, q, False, False, 0, False, logits),
-                        self._key(batch, q, True, False, w, mapped and w > 0, logits)):
+            keys = [self._key(batch, q, False, False, 0, False, logits),
+                    self._key(batch, q, True, False, w, mapped and w > 0, logits)]
+            if w:  # a step of sampled sequences without q rows (no drafts: a catch-up, a head waking)
+                keys.append(self._key(batch, q, True, False, 0, False, logits))
+            for key in keys:
                 if key in self.shapes:
                     continue
                 shape = self._shape(key, logits)
