@@ -249,8 +249,6 @@ VARIANTS = {  # name -> make_engine options (the main table runs the engine's de
     # the split partitions of MIN_PARTITION keys planned for the graph's longest context, as before each
     # sequence shared its own keys among the splits
     "fixed-partitions": dict(shared_partitions=False),
-    # the last split partition to finish merges them, in place of the merge kernel (one launch a layer, not two)
-    "merge-in-place": dict(merge_in_place=True),
     # every projection weight stored row-major, as before column-major storage became the GPU's default
     # (models/weight_layout.py)
     "row-major-weights": dict(column_major_weights=False),
@@ -259,7 +257,7 @@ CPU_VARIANTS = ("overlap-steps",)  # those the CPU dry run (--tiny) runs too: no
 
 
 def set_kernel_option(name: str, value):
-    """Set the paged-attention kernel's module constant `name` (MIN_PARTITION, SHARED_PARTITIONS, MERGE_IN_PLACE)
+    """Set the paged-attention kernel's module constant `name` (MIN_PARTITION, SHARED_PARTITIONS)
     where its module is in use and value is not None; returns the value before (None where nothing was set)."""
     module = sys.modules.get("specdec.kernels.paged_attention")
     if value is None or module is None:
@@ -280,8 +278,7 @@ def variant_rows(model, args, vocab: int, gen, device, save=lambda rows: None) -
         options = dict(VARIANTS[name])
         writer = Kernels.qk_rope_write if options.pop("qk_rope_write", True) else None
         kernel_options = {"MIN_PARTITION": options.pop("min_partition", None),
-                          "SHARED_PARTITIONS": options.pop("shared_partitions", None),
-                          "MERGE_IN_PLACE": options.pop("merge_in_place", None)}
+                          "SHARED_PARTITIONS": options.pop("shared_partitions", None)}
         row_major = options.get("column_major_weights") is False
         for batch in (int(b) for b in args.variant_batches.split(",")):
             t0 = time.perf_counter()

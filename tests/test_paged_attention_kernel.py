@@ -25,7 +25,7 @@ kernel = kernel_module("specdec.kernels.paged_attention")  # None outside the ch
 @parent_only
 def test_kernel_cases_under_the_interpreter():
     """This file's kernel cases, in a child process started with TRITON_INTERPRET=1."""
-    run_child(__file__, min_passed=16, parent_tests=4)  # this test and the three sm_90 compiles
+    run_child(__file__, min_passed=18, parent_tests=3)  # this test and the two sm_90 compiles
 
 
 def make_case(query_lens, context_lens, block_size, kv_heads=2, group=2, head_dim=32, dtype=torch.float32,
@@ -111,42 +111,9 @@ def test_contexts_far_shorter_than_the_graphs_share_every_split():
                                atol=2e-5, rtol=1e-4)
 
 
-@child_only
-@pytest.mark.parametrize("partition_keys,max_rows", [(64, 128), (32, 16), (None, 128)])
-def test_the_last_partition_merges_in_place_and_leaves_its_counter_at_zero(partition_keys, max_rows):
-    """MERGE_IN_PLACE: the partition that arrives last merges its (sequence, KV head, row chunk)'s partials
-    in place of the merge kernel: the single-pass result, every arrival counter back at zero, so the next
-    launch (a graph's next replay) merges right again."""
-    q, k_cache, v_cache, batch = make_case([1, 17, 4], [250, 140, 9], 16, kv_heads=2, group=4, seed=11)
-    if partition_keys is None:
-        batch.max_context_len = 2048  # a graph's bucket: several splits with the default plan too
-    expected = reference(q, k_cache, v_cache, batch, 0.25)
-    for _ in range(2):
-        out = run_kernel(q, k_cache, v_cache, batch, 0.25, partition_keys=partition_keys, max_rows=max_rows,
-                         merge_in_place=True)
-        torch.testing.assert_close(out, expected, atol=2e-5, rtol=1e-4)
-        counters = kernel.arrival_counters(q.device, 1)
-        assert counters.numel() >= kernel.MIN_COUNTERS and not counters.any()
-    assert kernel.split_plan(3, 2, batch.max_context_len, q.device, 64, partition_keys)[0] > 1
-    torch.testing.assert_close(run_kernel(q, k_cache, v_cache, batch, 0.25, partition_keys=partition_keys,
-                                          max_rows=max_rows, merge_in_place=False), out)  # the two-kernel path
-
-
-@child_only
-def test_a_larger_counter_buffer_keeps_the_smaller_ones_alive():
-    """A launch with more (sequence, KV head, chunk) triples than the buffer holds gets a larger one; the old
-    ones are kept (a captured graph may still point at them)."""
-    device = torch.device("cpu")
-    first = kernel.arrival_counters(device, 1)
-    larger = kernel.arrival_counters(device, first.numel() + 1)
-    assert larger.numel() > first.numel() and not larger.any()
-    assert any(kept is first for kept in kernel._COUNTERS[device])
-    assert kernel.arrival_counters(device, 5) is larger
-
-
 @parent_only
-@pytest.mark.parametrize("split,tree,in_place", [(True, False, False), (False, True, False), (True, False, True)])
-def test_the_kernels_compile_for_hopper(split, tree, in_place):
+@pytest.mark.parametrize("split,tree", [(True, False), (False, True)])
+def test_the_kernels_compile_for_hopper(split, tree):
     """The interpreter runs the kernels as Python and so accepts code Triton's compiler refuses (a partition
     size whose type changes in a branch did, 7410787): compile both to PTX for sm_90 (no GPU needed) in bf16 at
     the Qwen3-8B shape, with the engine's argument types (int64 context lengths and block tables)."""
@@ -163,16 +130,14 @@ def test_the_kernels_compile_for_hopper(split, tree, in_place):
         return triton.compile(source, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
 
     pointers = dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", out_ptr="*bf16", part_m_ptr="*fp32",
-                    part_l_ptr="*fp32", part_acc_ptr="*fp32", counter_ptr="*i32", query_start_ptr="*i64",
+                    part_l_ptr="*fp32", part_acc_ptr="*fp32", query_start_ptr="*i64",
                     context_lens_ptr="*i64", block_tables_ptr="*i64", tree_ptr="*i8")
     ints = ("stride_qt", "stride_qh", "stride_ks", "stride_kh", "stride_vs", "stride_vh", "stride_ot", "stride_oh",
             "stride_bt", "tree_sb", "tree_st", "tree_si", "tree_sj", "partition_keys", "num_splits", "num_chunks")
     constants = dict(BLOCK_SIZE=16, GROUP=4, ROWS=16, HEAD_DIM=128, HEAD_PAD=128, BLOCK_N=64, HAS_TREE=tree,
-                     SPLIT=split, MERGE_IN_PLACE=in_place, PRECISION="tf32", DOT_TYPE=tl.bfloat16, INTERPRET=False)
+                     SPLIT=split, PRECISION="tf32", DOT_TYPE=tl.bfloat16, INTERPRET=False)
     code = ptx(compiled._partition_kernel, pointers, {"qk_scale": "fp32", **{n: "i32" for n in ints}}, constants)
     assert ".entry _partition_kernel" in code and "st.global" in code
-    # the arrival counter: an acquire-release add, the reset, and the other partitions' partials read uncached
-    assert ("atom.global.gpu.acq_rel.add" in code and "ld.volatile.global" in code) == in_place
     merge_pointers = {n: pointers[n] for n in ("out_ptr", "part_m_ptr", "part_l_ptr", "part_acc_ptr",
                                                "query_start_ptr")}
     merge_ints = {n: "i32" for n in ("stride_ot", "stride_oh", "num_splits", "num_chunks")}
@@ -326,22 +291,21 @@ def test_triton_backend_keeps_greedy_outputs(qwen3_dir, triton_backend, monkeypa
 
 
 @child_only
-def test_in_place_merges_keep_greedy_outputs_through_the_engine(qwen3_dir, triton_backend, monkeypatch):
-    """Every layer's launch of every step reusing the same arrival counters: with contexts split over two
-    partitions (MIN_PARTITION lowered) and MERGE_IN_PLACE on, greedy outputs match the SDPA backend's."""
+def test_split_partitions_keep_greedy_outputs_through_the_engine(qwen3_dir, triton_backend, monkeypatch):
+    """Every layer's launch of every decode step split over partitions (MIN_PARTITION lowered) and merged by the
+    second kernel: greedy outputs match the SDPA backend's."""
     from specdec import LLM, SamplingParams
 
     monkeypatch.setattr(kernel, "MIN_PARTITION", 16)
-    monkeypatch.setattr(kernel, "MERGE_IN_PLACE", True)
-    merged_in_place = []  # launches that took the counters
-    counters = kernel.arrival_counters
-    monkeypatch.setattr(kernel, "arrival_counters", lambda *a: merged_in_place.append(1) or counters(*a))
+    plans = []
+    plan = kernel.split_plan
+    monkeypatch.setattr(kernel, "split_plan", lambda *a: plans.append(plan(*a)) or plans[-1])
     greedy = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
     prompts = [list(range(10, 80)), list(range(5, 12))]  # 70 and 7 tokens: decode contexts up to 73 keys
     llm = LLM(qwen3_dir, device="cpu", kv_cache_tokens=512, block_size=16, attention_backend="triton")
-    in_place = [o.token_ids for o in llm.generate(prompts, greedy)]
-    assert len(merged_in_place) >= 2 * llm.engine.runner.model.config.num_hidden_layers  # every layer, 2+ steps
-    assert not counters(torch.device("cpu"), 1).any()
+    split = [o.token_ids for o in llm.generate(prompts, greedy)]
+    layers = llm.engine.runner.model.config.num_hidden_layers
+    assert sum(splits > 1 for splits, _ in plans) >= 2 * layers  # every layer, 2+ steps
     sdpa = LLM(qwen3_dir, device="cpu", kv_cache_tokens=512, block_size=16, attention_backend="sdpa")
-    assert [o.token_ids for o in sdpa.generate(prompts, greedy)] == in_place
+    assert [o.token_ids for o in sdpa.generate(prompts, greedy)] == split
 

@@ -12,9 +12,7 @@ queries are the rows of one tile, so each K/V tile is loaded once for the whole 
 rows 0..11, row r being query r // 4 of query head kv_head * 4 + r % 4; the tile is padded to 16 rows (a dot
 needs at least 16).  Long contexts at small batch are split over several partitions (flash-decoding), each
 program keeping an online softmax in float32 (base 2, the scale folded in), and a second kernel merges the
-partitions' (max, sum, accumulator); or, with MERGE_IN_PLACE, the last partition of each (sequence, KV head,
-row chunk) to finish merges them itself (an arrival counter per triple, reset by that program), one launch a
-layer instead of two.  The split is chosen on the host from the batch size and the longest
+partitions' (max, sum, accumulator).  The split is chosen on the host from the batch size and the longest
 context, so a fixed-shape step (a CUDA graph) always launches the same grid; each program then takes its share
 of its own sequence's keys, so that every split works whatever the step's real contexts.  Example: a graph of
 contexts up to 2048 splits batch 1 into 8 partitions; a sequence of 512 keys gives each 64 keys (one tile), not
@@ -39,9 +37,6 @@ MAX_QUERIES = 17  # queries per sequence the row tile is sized for (verify of 16
 MAX_ROWS = 128  # rows (queries x grouped heads) of one program's tile; more are split into chunks
 MIN_PARTITION = 256  # keys: a split partition never covers fewer (its merge would cost more than it saves)
 SHARED_PARTITIONS = True  # each sequence shares its own keys among the splits (False: MIN_PARTITION-sized ones)
-# The last partition to finish merges, not a second kernel.  Opt-in until measured: its arrival counters are
-# shared by every launch on a device, so launches on two streams must not overlap.
-MERGE_IN_PLACE = False
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -86,7 +81,7 @@ def _attend_tile(q, m_i, l_i, acc, n0, end, seq, kv_head, first_new, query, q_ro
 
 @triton.jit
 def _partition_kernel(
-        q_ptr, k_ptr, v_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, counter_ptr,
+        q_ptr, k_ptr, v_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
         query_start_ptr, context_lens_ptr, block_tables_ptr, tree_ptr,
         qk_scale,  # softmax scale * log2(e): scores are kept in base 2
         stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_ot, stride_oh, stride_bt,
@@ -94,7 +89,7 @@ def _partition_kernel(
         partition_keys, num_splits, num_chunks,
         BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr,
         HEAD_PAD: tl.constexpr, BLOCK_N: tl.constexpr, HAS_TREE: tl.constexpr, SPLIT: tl.constexpr,
-        MERGE_IN_PLACE: tl.constexpr, PRECISION: tl.constexpr, DOT_TYPE: tl.constexpr, INTERPRET: tl.constexpr):
+        PRECISION: tl.constexpr, DOT_TYPE: tl.constexpr, INTERPRET: tl.constexpr):
     """One program per (sequence, KV head, key partition x row chunk)."""
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -143,13 +138,6 @@ def _partition_kernel(
         tl.store(part_m_ptr + part, m_i, mask=row_ok)
         tl.store(part_l_ptr + part, l_i, mask=row_ok)
         tl.store(part_acc_ptr + part[:, None] * HEAD_PAD + dims[None, :], acc, mask=row_ok[:, None])
-        if MERGE_IN_PLACE:  # the last to arrive merges: acq_rel orders every partition's stores before it
-            triple = (seq * tl.num_programs(1) + kv_head) * num_chunks + chunk
-            if tl.atomic_add(counter_ptr + triple, 1, sem="acq_rel") == num_splits - 1:
-                _merge_partitions(out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, seq, kv_head, chunk, first_row,
-                                  q_len, stride_ot, stride_oh, num_splits, num_chunks, GROUP, ROWS, HEAD_DIM,
-                                  HEAD_PAD, True, INTERPRET)
-                tl.atomic_xchg(counter_ptr + triple, 0)  # zero again for the next launch (or graph replay)
     else:
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         tl.store(out_ptr + q_rows[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :],
@@ -158,14 +146,12 @@ def _partition_kernel(
 
 @triton.jit
 def _merge_split(m_i, l_i, acc, split, seq, kv_head, rows, row_ok, dims, part_m_ptr, part_l_ptr, part_acc_ptr,
-                 num_splits, num_chunks, ROWS: tl.constexpr, HEAD_PAD: tl.constexpr, VOLATILE: tl.constexpr):
-    """Partition `split`'s (max, sum, accumulator) folded into the running ones (VOLATILE: read past the caches,
-    for partials other programs of the same launch stored)."""
+                 num_splits, num_chunks, ROWS: tl.constexpr, HEAD_PAD: tl.constexpr):
+    """Partition `split`'s (max, sum, accumulator) folded into the running ones."""
     part = ((seq * tl.num_programs(1) + kv_head) * num_splits + split) * (num_chunks * ROWS) + rows  # [ROWS]
-    m_s = tl.load(part_m_ptr + part, mask=row_ok, other=float("-inf"), volatile=VOLATILE)
-    l_s = tl.load(part_l_ptr + part, mask=row_ok, other=0.0, volatile=VOLATILE)
-    acc_s = tl.load(part_acc_ptr + part[:, None] * HEAD_PAD + dims[None, :], mask=row_ok[:, None], other=0.0,
-                    volatile=VOLATILE)
+    m_s = tl.load(part_m_ptr + part, mask=row_ok, other=float("-inf"))
+    l_s = tl.load(part_l_ptr + part, mask=row_ok, other=0.0)
+    acc_s = tl.load(part_acc_ptr + part[:, None] * HEAD_PAD + dims[None, :], mask=row_ok[:, None], other=0.0)
     m_new = tl.maximum(m_i, m_s)
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp2(m_i - m_safe)
@@ -184,14 +170,13 @@ def _merge_kernel(
     q_len = tl.load(query_start_ptr + seq + 1) - first_row
     _merge_partitions(out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, seq, tl.program_id(1), tl.program_id(2),
                       first_row, q_len, stride_ot, stride_oh, num_splits, num_chunks, GROUP, ROWS, HEAD_DIM,
-                      HEAD_PAD, False, INTERPRET)
+                      HEAD_PAD, INTERPRET)
 
 
 @triton.jit
 def _merge_partitions(out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, seq, kv_head, chunk, first_row, q_len,
                       stride_ot, stride_oh, num_splits, num_chunks, GROUP: tl.constexpr, ROWS: tl.constexpr,
-                      HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, VOLATILE: tl.constexpr,
-                      INTERPRET: tl.constexpr):
+                      HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, INTERPRET: tl.constexpr):
     """The softmax over the union of (seq, kv_head, chunk)'s partitions, written to out."""
     rows = chunk * ROWS + tl.arange(0, ROWS)
     query = rows // GROUP
@@ -205,12 +190,12 @@ def _merge_partitions(out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, seq, kv_hea
         split = 0
         while split < num_splits:
             m_i, l_i, acc = _merge_split(m_i, l_i, acc, split, seq, kv_head, rows, row_ok, dims, part_m_ptr,
-                                         part_l_ptr, part_acc_ptr, num_splits, num_chunks, ROWS, HEAD_PAD, VOLATILE)
+                                         part_l_ptr, part_acc_ptr, num_splits, num_chunks, ROWS, HEAD_PAD)
             split += 1
     else:
         for split in range(num_splits):
             m_i, l_i, acc = _merge_split(m_i, l_i, acc, split, seq, kv_head, rows, row_ok, dims, part_m_ptr,
-                                         part_l_ptr, part_acc_ptr, num_splits, num_chunks, ROWS, HEAD_PAD, VOLATILE)
+                                         part_l_ptr, part_acc_ptr, num_splits, num_chunks, ROWS, HEAD_PAD)
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     tl.store(out_ptr + (first_row + query)[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :],
              out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (dims < HEAD_DIM)[None, :])
@@ -257,36 +242,16 @@ def split_plan(num_seqs: int, kv_heads: int, max_context_len: int, device: torch
     return max(1, -(-max_context_len // partition_keys)), partition_keys
 
 
-# Per device, every arrival-counter buffer ever made, the largest last; all zero between launches.  None is ever
-# freed: a CUDA graph captured with one keeps its address.
-_COUNTERS: dict[torch.device, list[torch.Tensor]] = {}
-MIN_COUNTERS = 4096  # (sequence, KV head, row chunk) triples the first buffer holds: batch 512 at Hkv 8
-
-
-def arrival_counters(device: torch.device, needed: int) -> torch.Tensor | None:
-    """The device's zeroed int32 arrival counters, at least `needed` of them (each in-place merge leaves its own
-    at zero); None while a CUDA graph is being captured and no buffer is large enough (one allocated inside a
-    capture would belong to that graph's memory pool): that launch merges in a second kernel instead."""
-    buffers = _COUNTERS.setdefault(device, [])
-    if buffers and buffers[-1].numel() >= needed:
-        return buffers[-1]
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        return None
-    buffers.append(torch.zeros(max(needed, 2 * buffers[-1].numel() if buffers else MIN_COUNTERS),
-                               dtype=torch.int32, device=device))
-    return buffers[-1]
-
-
 def launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, query_start: torch.Tensor,
            context_lens: torch.Tensor, block_tables: torch.Tensor, block_size: int, scale: float,
            max_query_len: int, max_context_len: int, tree_mask: torch.Tensor | None = None,
            partition_keys: int | None = None, block_n: int | None = None, num_warps: int | None = None,
-           max_rows: int = MAX_ROWS, merge_in_place: bool | None = None) -> torch.Tensor:
+           max_rows: int = MAX_ROWS) -> torch.Tensor:
     """q [T, H, D], caches [slots, Hkv, D], query_start [B+1], context_lens [B], block_tables [B, W] ->
     out [T, H, D] (q's dtype).  tree_mask (specdec/kernels/tree_mask.py) replaces the causal rule among a
     sequence's new tokens.  partition_keys / block_n / num_warps / max_rows override the launch heuristics
     (benchmarks, tests; partition_keys fixes every partition's keys, where by default each sequence shares its
-    own context among the splits; merge_in_place overrides MERGE_IN_PLACE).  Example: q 17, G 4 -> 68 rows in one
+    own context among the splits).  Example: q 17, G 4 -> 68 rows in one
     tile of 128; G 8 -> 136 rows, 2 chunks of 128."""
     num_rows, heads, head_dim = q.shape
     num_seqs, kv_heads = context_lens.shape[0], k_cache.shape[1]
@@ -310,19 +275,16 @@ def launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, query_
         part_acc = torch.empty(part_m.shape[0] * head_pad, dtype=torch.float32, device=q.device)
     else:
         part_m = part_l = part_acc = out  # unused
-    in_place = MERGE_IN_PLACE if merge_in_place is None else merge_in_place
-    counters = arrival_counters(q.device, num_seqs * kv_heads * chunks) if splits > 1 and in_place else None
     _partition_kernel[(num_seqs, kv_heads, splits * chunks)](
-        q, k_cache, v_cache, out, part_m, part_l, part_acc, query_start if counters is None else counters,
-        query_start, context_lens, block_tables, tree,
+        q, k_cache, v_cache, out, part_m, part_l, part_acc, query_start, context_lens, block_tables, tree,
         scale * LOG2E, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0),
         v_cache.stride(1), out.stride(0), out.stride(1), block_tables.stride(0), *strides,
         fixed_keys, splits, chunks,
         BLOCK_SIZE=block_size, GROUP=group, ROWS=rows, HEAD_DIM=head_dim, HEAD_PAD=head_pad, BLOCK_N=block_n,
-        HAS_TREE=tree_mask is not None, SPLIT=splits > 1, MERGE_IN_PLACE=counters is not None,
+        HAS_TREE=tree_mask is not None, SPLIT=splits > 1,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", DOT_TYPE=_dot_type(q.dtype),
         INTERPRET=INTERPRETED, num_warps=num_warps)
-    if splits > 1 and counters is None:
+    if splits > 1:
         _merge_kernel[(num_seqs, kv_heads, chunks)](
             out, part_m, part_l, part_acc, query_start, out.stride(0), out.stride(1), splits, chunks,
             GROUP=group, ROWS=rows, HEAD_DIM=head_dim, HEAD_PAD=head_pad, INTERPRET=INTERPRETED, num_warps=4)
