@@ -277,7 +277,10 @@ def profile_phases(llm: LLM, prompts: list[str], params: SamplingParams, steps: 
     phases = {e.key: {"host_ms": 1e3 * measured.get(e.key, 0.0) / max(1, done),
                       "device_ms": e.device_time_total * ms_per_step}
               for e in events if e.key in labels}
-    kernels = sum(e.self_device_time_total for e in events)
+    # kernels, copies and memsets only: a phase's annotation, an operator (aten::) and a runtime call (cuda...)
+    # carry their kernels' device time again (before 2026-12-08 device_busy_ms counted kernels twice, ~2x the step)
+    kernels = sum(e.self_device_time_total for e in events
+                  if e.key not in labels and not e.key.startswith(("aten::", "cuda")))
     def top(time_of, count=12):
         ranked = sorted((e for e in events if e.key not in labels), key=time_of, reverse=True)[:count]
         return [[e.key[:80], round(time_of(e) * ms_per_step, 4), e.count // max(1, done)] for e in ranked]
