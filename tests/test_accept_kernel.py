@@ -18,7 +18,7 @@ kernel = kernel_module("specdec.kernels.accept")  # None outside the child
 @parent_only
 def test_kernel_cases_under_the_interpreter():
     """This file's kernel cases, in a child process started with TRITON_INTERPRET=1."""
-    run_child(__file__, min_passed=8, parent_tests=3)  # this test and the two sm_90 compiles
+    run_child(__file__, min_passed=9, parent_tests=3)  # this test and the two sm_90 compiles
 
 
 @pytest.fixture
@@ -58,6 +58,18 @@ def test_the_kernel_gives_accept_fixeds_tokens(small_chunks, mode, seeded):
         rejected += sum(len(out) - 1 < s.num_drafts for s, out in zip(seqs, want) if not s.request.params.greedy)
         bonus += sum(len(out) - 1 == s.num_drafts for s, out in zip(seqs, want) if not s.request.params.greedy)
     assert cases == 8 and rejected >= 2 and bonus >= 2  # draws from the residual and from p both checked
+
+
+@child_only
+def test_whole_chunks_of_masked_logits_are_left_out(small_chunks):
+    """Logits of -inf over whole chunks (ids a model masks, e.g. a padded vocabulary's): their tokens are never
+    drawn and the rest is accepted as accept_fixed accepts it (a chunk of -inf must not make its sum NaN)."""
+    for seed in range(4):
+        seqs, batch, q, logits = steps.random_step(seed, "full", seeded=True)
+        logits[:, 21:] = float("-inf")  # chunks [16, 32) from id 21 and [32, 37) wholly
+        want = accepted(seqs, batch, q, logits, seed, fused=False)
+        got = accepted(seqs, batch, q, logits, seed, fused=True)
+        assert got == want and all(t < 21 or t in s.request.draft_token_ids for s, out in zip(seqs, got) for t in out)
 
 
 @child_only

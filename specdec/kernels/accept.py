@@ -60,7 +60,8 @@ def _row_stats_kernel(logits_ptr, stride_row, temperature_ptr, max_ptr, sum_ptr,
         best = tl.maximum(best, tile_best)
         y = x / t
         m_new = tl.maximum(m, tl.max(y, 0))
-        s = s * tl.exp(m - m_new) + tl.sum(tl.exp(y - m_new), 0)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a tile of -inf logits so far (masked ids): s stays 0
+        s = s * tl.exp(m - m_safe) + tl.sum(tl.exp(y - m_safe), 0)
         m = m_new
     at = row * chunks + chunk
     tl.store(max_ptr + at, m)
@@ -77,7 +78,7 @@ def _stats(row, max_ptr, sum_ptr, chunks, C_POW2: tl.constexpr):
     m_c = tl.load(max_ptr + row * chunks + c, mask=ok, other=float("-inf"))
     s_c = tl.load(sum_ptr + row * chunks + c, mask=ok, other=0.0)
     m = tl.max(m_c, 0)
-    return m, tl.sum(tl.where(ok, s_c * tl.exp(m_c - m), 0.0), 0)
+    return m, tl.sum(tl.where(ok & (s_c > 0), s_c * tl.exp(m_c - m), 0.0), 0)
 
 
 @triton.jit
