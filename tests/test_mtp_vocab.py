@@ -18,6 +18,7 @@ from specdec.speculate import SpecConfig, spec_config_from_args
 from specdec.speculate import draft_vocab
 from specdec.speculate.draft_vocab import check_token_ids, draft_token_ids, most_frequent, read_token_map
 from tests.test_mtp import GREEDY, saved_target
+from tests.test_fixed_accept import expected_keys
 from tests.test_qwen3_5_engine import PROMPTS, _token2_marginal, check_sampled_token2
 
 VOCAB = 300  # the tiny Qwen3.5's
@@ -260,7 +261,7 @@ def test_the_flags_reach_spec_config(command):
 @pytest.mark.parametrize("reduced", [True, False])
 def test_precapture_prepares_the_acceptance_at_the_heads_q_width(target, tmp_path, reduced):
     """With fixed acceptance, Engine.precapture_graphs (run on a CPU with eager=True) makes each (B, q)'s sampled
-    key at the head's q width: its reduced vocabulary, mapped, or the target's whole one; greedy and seeded sampled
+    key at the head's q width (its reduced vocabulary, mapped, or the target's whole one) and without q rows; greedy and seeded sampled
     serving then make no key, and (reduced) the outputs are those of an engine without precapture."""
     path = target[0]
     spec = SpecConfig("mtp", num_draft_tokens=2, adaptive=False,
@@ -271,8 +272,7 @@ def test_precapture_prepares_the_acceptance_at_the_heads_q_width(target, tmp_pat
     assert llm.engine.speculator.q_width() == (width, mapped)
     llm.engine.precapture_graphs(eager=True)
     acceptance = llm.engine.runner.static.acceptance
-    keys = {key for b in (1, 2, 4) for q in (1, 2, 3) for key in (
-        (b, q, False, False, 0, False, None), (b, q, True, False, width if q > 1 else 0, mapped and q > 1, None))}
+    keys = expected_keys([1, 2, 3], width, mapped)
     assert set(acceptance.shapes) == keys
     seeded = SamplingParams(max_tokens=16 if reduced else 8, temperature=1.0, seed=5, ignore_eos=True)
     for params in (GREEDY, seeded) if reduced else (seeded,):
