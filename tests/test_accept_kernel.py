@@ -11,6 +11,7 @@ import tests.test_fixed_accept as steps
 from specdec.engine.fixed_acceptance import FixedAcceptance
 from specdec.sampling import SamplingParams
 from tests.interpreter import child_only, kernel_module, parent_only, run_child
+from tests.test_eagle3 import head_dir  # noqa: F401 (fixtures)
 
 kernel = kernel_module("specdec.kernels.accept")  # None outside the child
 
@@ -93,13 +94,6 @@ def test_the_kernel_reads_the_race_uniforms_it_is_given(small_chunks):
     assert differing >= 3
 
 
-@pytest.fixture(scope="module")
-def head_dir(tmp_path_factory, qwen3_dir):
-    from tests.test_eagle3 import make_head_dir
-
-    return make_head_dir(tmp_path_factory.mktemp("head"), qwen3_dir)
-
-
 @child_only
 def test_an_engine_accepting_through_the_kernel_gives_the_same_replies(qwen3_dir, head_dir):
     """Through the engine (an EAGLE-3 head drafting 2 over its draft vocabulary, fixed acceptance, precaptured
@@ -143,11 +137,11 @@ def test_the_kernels_compile_for_hopper(has_q, mapped):
         "_row_stats_kernel": ({**shared, **stats, "best_ptr": "*fp32", "best_at_ptr": "*i32", "vocab": "i32",
                                "chunks": "i32"}, dict(Q=4, CHUNK=compiled.CHUNK, BLOCK=compiled.BLOCK)),
         "_race_kernel": ({**shared, **inputs, "exp_ptr": "*fp32", "stride_exp": "i32", "race_index_ptr": "*i64",
-                          **q_side, **stats, **partials, "vocab": "i32", "chunks": "i32"},
+                          **q_side, **stats, "accepted_ptr": "*i32", **partials, "vocab": "i32", "chunks": "i32"},
                          dict(Q=4, HAS_Q=has_q, MAPPED=mapped, CHUNK=compiled.CHUNK, BLOCK=compiled.BLOCK, C_POW2=32)),
-        "_finish_kernel": ({**shared, **inputs, **q_side, **stats, "best_ptr": "*fp32", "best_at_ptr": "*i32",
-                            **partials, "out_ptr": "*i64", "chunks": "i32"},
-                           dict(Q=4, HAS_Q=has_q, MAPPED=mapped, ANY_SAMPLED=True, C_POW2=32, Q_POW2=4)),
+        "_finish_kernel": ({"first_ptr": "*i64", "drafts_ptr": "*i64", "num_drafts_ptr": "*i64", "greedy_ptr": "*i64",
+                            "best_ptr": "*fp32", "best_at_ptr": "*i32", "accepted_ptr": "*i32", **partials,
+                            "out_ptr": "*i64", "chunks": "i32"}, dict(Q=4, ANY_SAMPLED=True, C_POW2=32, Q_POW2=4)),
     }
     for name, (arguments, constants) in kernels.items():
         fn = getattr(compiled, name)

@@ -10,11 +10,11 @@ of exp of its scaled logits, so a test reads p at one draft from two scalars, an
 1. `_row_stats_kernel`, grid (B q rows, C chunks of V): each program reads its chunk of a row once: the chunk's
    max and sum of exp of the scaled logits (an online softmax) and the first argmax of the raw logits (greedy).
 2. `_race_kernel`, grid (B, C), sampled sequences only: each program counts its sequence's a_b (a few scalars a
-   draft) and races its chunk of the last token's distribution: both the residual max(p - q, 0) and p itself,
+   draft; the chunk-0 program stores it) and races its chunk of the last token's distribution: both the residual max(p - q, 0) and p itself,
    each keeping its best score p / E (E ~ Exp(1): the caller passes E = -log1p(-u) for the step's uniforms u)
    at its first index, and its mass.
-3. `_finish_kernel`, grid (B): the greedy count and token from the rows' argmaxes; the sampled count again, the
-   chunks' best combined (the first index of the max, as torch.argmax), the residual taken where a draft was
+3. `_finish_kernel`, grid (B): the greedy count and token from the rows' argmaxes; for a sampled sequence its
+   stored count and the chunks' best combined (the first index of the max, as torch.argmax), the residual taken where a draft was
    rejected and its mass is not numerically empty (verify._last_distribution); out [B, 1 + q]: a_b, the accepted
    drafts, the last token, then -1.
 
@@ -143,7 +143,7 @@ def _sampled_count(b, Q: tl.constexpr, n, first, t, logits_ptr, stride_row, draf
 @triton.jit
 def _race_kernel(logits_ptr, stride_row, temperature_ptr, first_ptr, drafts_ptr, num_drafts_ptr, greedy_ptr,
                  u_test_ptr, test_index_ptr, exp_ptr, stride_exp, race_index_ptr, q_probs_ptr, q_rows_ptr,
-                 column_ptr, q_width, max_ptr, sum_ptr, res_best_ptr, res_at_ptr, p_best_ptr, p_at_ptr,
+                 column_ptr, q_width, max_ptr, sum_ptr, accepted_ptr, res_best_ptr, res_at_ptr, p_best_ptr, p_at_ptr,
                  res_mass_ptr, p_mass_ptr, vocab, chunks, Q: tl.constexpr, HAS_Q: tl.constexpr,
                  MAPPED: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr, C_POW2: tl.constexpr):
     b = tl.program_id(0)
@@ -155,6 +155,8 @@ def _race_kernel(logits_ptr, stride_row, temperature_ptr, first_ptr, drafts_ptr,
         a = _sampled_count(b, Q, n, first, t, logits_ptr, stride_row, drafts_ptr, u_test_ptr, test_index_ptr,
                            q_probs_ptr, q_rows_ptr, column_ptr, q_width, max_ptr, sum_ptr, chunks,
                            HAS_Q, MAPPED, C_POW2)
+        if chunk == 0:
+            tl.store(accepted_ptr + b, a)
         rejected = a < n
         row = _scoring_row(b, a, first, Q)
         m, s = _stats(row, max_ptr, sum_ptr, chunks, C_POW2)
@@ -210,11 +212,9 @@ def _race_kernel(logits_ptr, stride_row, temperature_ptr, first_ptr, drafts_ptr,
 
 
 @triton.jit
-def _finish_kernel(logits_ptr, stride_row, temperature_ptr, first_ptr, drafts_ptr, num_drafts_ptr, greedy_ptr,
-                   u_test_ptr, test_index_ptr, q_probs_ptr, q_rows_ptr, column_ptr, q_width, max_ptr, sum_ptr,
-                   best_ptr, best_at_ptr, res_best_ptr, res_at_ptr, p_best_ptr, p_at_ptr, res_mass_ptr, p_mass_ptr,
-                   out_ptr, chunks, Q: tl.constexpr, HAS_Q: tl.constexpr, MAPPED: tl.constexpr,
-                   ANY_SAMPLED: tl.constexpr, C_POW2: tl.constexpr, Q_POW2: tl.constexpr):
+def _finish_kernel(first_ptr, drafts_ptr, num_drafts_ptr, greedy_ptr, best_ptr, best_at_ptr, accepted_ptr,
+                   res_best_ptr, res_at_ptr, p_best_ptr, p_at_ptr, res_mass_ptr, p_mass_ptr, out_ptr, chunks,
+                   Q: tl.constexpr, ANY_SAMPLED: tl.constexpr, C_POW2: tl.constexpr, Q_POW2: tl.constexpr):
     b = tl.program_id(0)
     n = tl.load(num_drafts_ptr + b).to(tl.int32)
     first = tl.load(first_ptr + b).to(tl.int32)
@@ -230,10 +230,7 @@ def _finish_kernel(logits_ptr, stride_row, temperature_ptr, first_ptr, drafts_pt
     token = _first_best(best_ptr, best_at_ptr, _scoring_row(b, a, first, Q) * chunks, chunks, C_POW2)
     if ANY_SAMPLED:
         if tl.load(greedy_ptr + b) == 0:
-            t = tl.load(temperature_ptr + b)
-            a = _sampled_count(b, Q, n, first, t, logits_ptr, stride_row, drafts_ptr, u_test_ptr, test_index_ptr,
-                               q_probs_ptr, q_rows_ptr, column_ptr, q_width, max_ptr, sum_ptr, chunks,
-                               HAS_Q, MAPPED, C_POW2)
+            a = tl.load(accepted_ptr + b)
             c = tl.arange(0, C_POW2)
             ok = c < chunks
             res_mass = tl.sum(tl.load(res_mass_ptr + b * chunks + c, mask=ok, other=0.0), 0)
@@ -279,15 +276,14 @@ def accept_fused(logits: torch.Tensor, first: torch.Tensor, drafts: torch.Tensor
     q_width = q_probs.shape[-1] if has_q else 0
     res_best, p_best, res_mass, p_mass = (torch.empty(batch * chunks, device=device) for _ in range(4))
     res_at, p_at = (torch.empty(batch * chunks, dtype=torch.int32, device=device) for _ in range(2))
+    accepted = torch.empty(batch, dtype=torch.int32, device=device)  # a sampled sequence's a_b (the race's)
     if any_sampled:
         _race_kernel[(batch, chunks)](flat, flat.stride(0), temperature, first, drafts, num_drafts, greedy, u_test,
                                       test_index, exponentials, exponentials.stride(0), race_index, q_probs, q_rows,
-                                      column, q_width, row_max, row_sum, res_best, res_at, p_best, p_at, res_mass,
-                                      p_mass, vocab, chunks, Q=q, HAS_Q=has_q, MAPPED=mapped, CHUNK=CHUNK,
-                                      BLOCK=BLOCK, C_POW2=c_pow2)
-    _finish_kernel[(batch,)](flat, flat.stride(0), temperature, first, drafts, num_drafts, greedy, u_test,
-                             test_index, q_probs, q_rows, column, q_width, row_max, row_sum, best, best_at,
-                             res_best, res_at, p_best, p_at, res_mass, p_mass, out, chunks, Q=q, HAS_Q=has_q,
-                             MAPPED=mapped, ANY_SAMPLED=any_sampled, C_POW2=c_pow2,
+                                      column, q_width, row_max, row_sum, accepted, res_best, res_at, p_best, p_at,
+                                      res_mass, p_mass, vocab, chunks, Q=q, HAS_Q=has_q, MAPPED=mapped,
+                                      CHUNK=CHUNK, BLOCK=BLOCK, C_POW2=c_pow2)
+    _finish_kernel[(batch,)](first, drafts, num_drafts, greedy, best, best_at, accepted, res_best, res_at, p_best,
+                             p_at, res_mass, p_mass, out, chunks, Q=q, ANY_SAMPLED=any_sampled, C_POW2=c_pow2,
                              Q_POW2=triton.next_power_of_2(q))
     return out
