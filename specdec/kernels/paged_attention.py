@@ -166,19 +166,10 @@ def _merge_kernel(
         INTERPRET: tl.constexpr):
     """One program per (sequence, KV head, row chunk): the softmax over the union of its partitions."""
     seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
     first_row = tl.load(query_start_ptr + seq)
     q_len = tl.load(query_start_ptr + seq + 1) - first_row
-    _merge_partitions(out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, seq, tl.program_id(1), tl.program_id(2),
-                      first_row, q_len, stride_ot, stride_oh, num_splits, num_chunks, GROUP, ROWS, HEAD_DIM,
-                      HEAD_PAD, INTERPRET)
-
-
-@triton.jit
-def _merge_partitions(out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, seq, kv_head, chunk, first_row, q_len,
-                      stride_ot, stride_oh, num_splits, num_chunks, GROUP: tl.constexpr, ROWS: tl.constexpr,
-                      HEAD_DIM: tl.constexpr, HEAD_PAD: tl.constexpr, INTERPRET: tl.constexpr):
-    """The softmax over the union of (seq, kv_head, chunk)'s partitions, written to out."""
-    rows = chunk * ROWS + tl.arange(0, ROWS)
+    rows = tl.program_id(2) * ROWS + tl.arange(0, ROWS)
     query = rows // GROUP
     head = kv_head * GROUP + rows % GROUP
     row_ok = query < q_len
@@ -251,8 +242,8 @@ def launch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, query_
     out [T, H, D] (q's dtype).  tree_mask (specdec/kernels/tree_mask.py) replaces the causal rule among a
     sequence's new tokens.  partition_keys / block_n / num_warps / max_rows override the launch heuristics
     (benchmarks, tests; partition_keys fixes every partition's keys, where by default each sequence shares its
-    own context among the splits).  Example: q 17, G 4 -> 68 rows in one
-    tile of 128; G 8 -> 136 rows, 2 chunks of 128."""
+    own context among the splits).  Example: q 17, G 4 -> 68 rows in one tile of 128; G 8 -> 136 rows, 2 chunks
+    of 128."""
     num_rows, heads, head_dim = q.shape
     num_seqs, kv_heads = context_lens.shape[0], k_cache.shape[1]
     group = heads // kv_heads
